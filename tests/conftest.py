@@ -1,0 +1,31 @@
+"""Test-wide setup: Triton runs in interpreter mode when there is no GPU, and `gpu` tests skip.
+
+TRITON_INTERPRET must be set before triton is first imported, so it is decided here from the
+presence of an NVIDIA device node rather than by asking torch (which would not import triton,
+but keeps the rule obvious).
+"""
+
+from __future__ import annotations
+
+import os
+
+if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_root(tmp_path_factory):
+    """A session-wide folder for tiny Hugging Face model directories (built once, reused)."""
+    return tmp_path_factory.mktemp("tiny_models")
