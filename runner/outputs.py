@@ -1,0 +1,40 @@
+"""Request outputs, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence: its tokens, text, why it stopped and (if asked) logprobs.
+
+    `logprobs[i]` is a dict `{token_id: logprob}` for step i holding at least the sampled
+    token. `finish_reason` is "stop" (EOS, stop string or stop token) or "length".
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt. `prompt_token_ids` holds placeholder ids (0) where the prompt
+    carried embeddings; `prompt_logprobs` is set only when asked for on a token prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
