@@ -1,0 +1,101 @@
+"""Encoder checkpoints: ``config.json`` (how to rebuild) + ``model.safetensors`` (weights).
+
+Loading rebuilds the architecture from the saved config (no external files needed: towers export a
+self-contained config) and then checks every parameter name and shape, saying exactly what does not
+match instead of a bare "size mismatch" deep inside torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temp file in the same folder and rename, so a crash never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def save_encoder(encoder, directory: str | Path) -> Path:
+    """Save an Encoder's config and weights into ``directory`` (created if needed)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in encoder.state_dict().items()}
+    config = {"bridge_encoder_format": FORMAT_VERSION, **encoder.config}
+    _atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    _atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
+    return directory
+
+
+def describe_mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> list[str]:
+    """Human-readable differences between a module's state dict and a checkpoint's tensors."""
+    problems = []
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing:
+        problems.append(f"missing from checkpoint ({len(missing)}): {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected in checkpoint ({len(unexpected)}): {', '.join(unexpected)}")
+    for key in sorted(set(expected) & set(found)):
+        want, got = tuple(expected[key].shape), tuple(found[key].shape)
+        if want != got:
+            problems.append(f"shape mismatch for {key}: checkpoint has {got}, model expects {want}")
+    return problems
+
+
+def load_state_dict_checked(module: nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+    """``module.load_state_dict(state)`` after checking names and shapes; ValueError lists every problem."""
+    problems = describe_mismatch(module.state_dict(), state)
+    if problems:
+        raise ValueError(f"weights in {source} do not match the model:\n  - " + "\n  - ".join(problems))
+    module.load_state_dict(state, strict=True)
+
+
+def read_encoder_config(directory: str | Path) -> dict:
+    directory = Path(directory)
+    path = directory / CONFIG_NAME
+    if not directory.is_dir():
+        raise ValueError(f"encoder checkpoint directory {directory} does not exist")
+    if not path.is_file():
+        raise ValueError(f"encoder checkpoint {directory} has no {CONFIG_NAME}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    version = config.pop("bridge_encoder_format", None)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: bridge_encoder_format is {version!r}, this code reads {FORMAT_VERSION}")
+    return config
+
+
+def load_encoder(directory: str | Path, device: str | torch.device | None = None):
+    """Rebuild an Encoder saved by ``save_encoder`` and load its weights (names and shapes checked)."""
+    from encoders.encoder import build_encoder
+
+    directory = Path(directory)
+    config = read_encoder_config(directory)
+    weights = directory / WEIGHTS_NAME
+    if not weights.is_file():
+        raise ValueError(f"encoder checkpoint {directory} has no {WEIGHTS_NAME}")
+    encoder = build_encoder(config)
+    load_state_dict_checked(encoder, load_file(str(weights)), source=str(weights))
+    if device is not None:
+        encoder.to(device)
+    return encoder
