@@ -30,7 +30,18 @@ BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 UNK_TOKEN = "<unk>"
 PLACEHOLDER_TOKENS: tuple[str, ...] = ("<image>", "<audio>", "<graph>", "<embeds>")
-SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, *PLACEHOLDER_TOKENS)
+# Qwen2-VL's config names a vision-start, vision-end and video token. They get ids of their own, which no
+# Bridge prompt ever holds, so Hugging Face's own Qwen2-VL M-RoPE index (it looks for vision-start followed
+# by the image id) positions every Bridge prompt as text, the same as the runner does for passthrough items.
+QWEN2_VL_TOKENS: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+SPECIAL_TOKENS: tuple[str, ...] = (
+    PAD_TOKEN,
+    BOS_TOKEN,
+    EOS_TOKEN,
+    UNK_TOKEN,
+    *PLACEHOLDER_TOKENS,
+    *QWEN2_VL_TOKENS,
+)
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2_vl")
 CONFIG_ONLY_KINDS: tuple[str, ...] = ("t5", "bamba", "qwen3_next", "bert")
@@ -47,7 +58,8 @@ _SPACE_MARK = "\u0120"
 # regex + NFC. Using the same pipeline for every family makes a directory tokenize identically whichever
 # class AutoTokenizer picks (TokenizersBackend or Qwen2Tokenizer, in 5.17 and 5.24 alike).
 _SPLIT_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 
@@ -151,10 +163,11 @@ def _decode_piece(piece: str) -> str:
 def build_tokenizer(vocab_words: Iterable[str] = (), *, pad_to_multiple_of: int = 8):
     """A small byte-level BPE tokenizer made in code, wrapped as ``PreTrainedTokenizerFast``.
 
-    Ids 0..7 are ``<pad> <s> </s> <unk> <image> <audio> <graph> <embeds>`` (all special, one id each),
-    then the 256 byte tokens, then the merges that make ``vocab_words`` whole tokens, then reserved
-    special tokens padding the size to ``pad_to_multiple_of`` so the model's vocab equals
-    ``len(tokenizer)``. Deterministic: the same words give the same ids.
+    Ids 0..10 are ``<pad> <s> </s> <unk> <image> <audio> <graph> <embeds>`` and Qwen2-VL's
+    ``<|vision_start|> <|vision_end|> <|video_pad|>`` (all special, one id each), then the 256 byte
+    tokens, then the merges that make ``vocab_words`` whole tokens, then reserved special tokens padding
+    the size to ``pad_to_multiple_of`` so the model's vocab equals ``len(tokenizer)``.
+    Deterministic: the same words give the same ids.
     """
     from transformers import PreTrainedTokenizerFast
 
@@ -163,13 +176,16 @@ def build_tokenizer(vocab_words: Iterable[str] = (), *, pad_to_multiple_of: int 
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     backend = _build_backend(list(vocab_words), pad_to_multiple_of)
+    named = {PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN}
+    added = sorted(backend.get_added_tokens_decoder().items())
+    extra = [t.content for _, t in added if t.content not in named]
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
-        extra_special_tokens=list(PLACEHOLDER_TOKENS),
+        extra_special_tokens=extra,  # placeholders first, then Qwen2-VL's and the reserved padding
         clean_up_tokenization_spaces=False,  # cleanup would rewrite " ." to "." and break round-trips
         model_max_length=1 << 20,
         padding_side="left",  # decoder-only batches pad on the left
@@ -232,7 +248,7 @@ def _validate_shape(family: str, hidden_size: int, num_heads: int, num_kv_heads:
 
 
 def _mrope_section(head_dim: int) -> list[int]:
-    """Split head_dim/2 rotary frequencies over (temporal, height, width) the way Qwen2-VL does (1:1.5:1.5)."""
+    """Split head_dim/2 rotary frequencies over (temporal, height, width), roughly 1:1.5:1.5 like Qwen2-VL."""
     half = head_dim // 2
     t = max(1, half // 4)
     h = (half - t) // 2
@@ -261,9 +277,9 @@ def _qwen2_vl_config(text_kwargs: dict[str, Any], head_dim: int, token_ids: dict
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=ids["<image>"],
-        video_token_id=ids["<image>"],
-        vision_start_token_id=ids[BOS_TOKEN],
-        vision_end_token_id=ids[EOS_TOKEN],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=text_kwargs["tie_word_embeddings"],
         **token_ids,
     )
@@ -325,7 +341,11 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_words)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    token_ids = {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN], "pad_token_id": ids[PAD_TOKEN]}
+    token_ids = {
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": ids[EOS_TOKEN],
+        "pad_token_id": ids[PAD_TOKEN],
+    }
 
     text_kwargs = _text_config_kwargs(
         family,
@@ -360,6 +380,14 @@ def build_tiny_model(
 # --------------------------------------------------------------------------- config-only directories
 
 
+_CONFIG_ONLY_ARCHITECTURES = {
+    "t5": "T5ForConditionalGeneration",
+    "bamba": "BambaForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "bert": "BertForMaskedLM",
+}
+
+
 def _config_only(kind: str, vocab_size: int, token_ids: dict[str, int]):
     import transformers
 
@@ -372,15 +400,16 @@ def _config_only(kind: str, vocab_size: int, token_ids: dict[str, int]):
     if kind == "bamba":
         return transformers.BambaConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+            num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
             mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=16, **small,
         )  # fmt: skip
     if kind == "qwen3_next":
         return transformers.Qwen3NextConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
-            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
             **small,
         )  # fmt: skip
     if kind == "bert":
@@ -410,11 +439,12 @@ def write_config_only_model(path: str | pathlib.Path, kind: str) -> pathlib.Path
         "pad_token_id": tokenizer.pad_token_id,
     }
     config = _config_only(kind, len(tokenizer), token_ids)
+    config.architectures = [_CONFIG_ONLY_ARCHITECTURES[kind]]  # as a real checkpoint's config.json has
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
 
 def read_config_dict(path: str | pathlib.Path) -> dict[str, Any]:
-    """config.json of a model directory as a plain dict (what a fail-fast check may read, and nothing more)."""
+    """config.json of a model directory as a plain dict: all a fail-fast check needs to read."""
     return json.loads((pathlib.Path(path) / "config.json").read_text())
