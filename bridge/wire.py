@@ -1,0 +1,143 @@
+"""The prompt-embeds wire format: base64 of `torch.save(tensor)`, exactly what vLLM accepts.
+
+Only used at process boundaries (the server, the remote vLLM backend); in-process encoders hand
+device tensors to the runner directly. Loading is hostile-input parsing, so every check that can
+be made on metadata is made before any bytes are materialised:
+
+1. the base64 text length, then the decoded payload size, against the byte cap;
+2. `torch.load(weights_only=True)` (no arbitrary pickle globals, so no code runs) with sparse
+   invariant checks on (out-of-range sparse indices are refused, not dereferenced);
+3. type, dtype, rank, declared dense byte size, rows and hidden size, from the tensor's shape
+   and dtype: a sparse tensor (or a dense one with zero strides) declaring a huge dense size is
+   refused before `.to_dense()` / `.contiguous()` could allocate it;
+4. only then densify, cast, and check for NaN/Inf (after the cast: a large fp32 value becomes
+   Inf in fp16).
+
+Every rejection is a `ValueError` whose message says what was wrong (a 4xx at the server).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+
+import torch
+
+DEFAULT_MAX_PROMPT_EMBEDS_BYTES = 256 * 2**20
+"""Default cap on a prompt-embeds tensor's dense size (and, plus a small slack, on its payload)."""
+
+_PAYLOAD_SLACK_BYTES = 64 * 2**10  # torch.save's zip and pickle framing around the raw bytes
+_ACCEPTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def encode_prompt_embeds(tensor: torch.Tensor) -> str:
+    """base64 (ASCII str) of `torch.save` of the tensor on the CPU, the vLLM wire format.
+
+    The tensor is copied into its own storage first: `torch.save` writes a view's whole
+    underlying storage, so a slice of a large tensor would otherwise ship all of it.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"encode_prompt_embeds expects a torch.Tensor, got {type(tensor).__name__}")
+    dense = tensor.detach().to("cpu")
+    if dense.layout != torch.strided:
+        dense = dense.to_dense()
+    dense = dense.clone(memory_format=torch.contiguous_format)
+    buffer = io.BytesIO()
+    torch.save(dense, buffer)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _decode_base64(data: str | bytes | bytearray, max_payload: int) -> bytes:
+    if not isinstance(data, (str, bytes, bytearray)):
+        raise ValueError(f"prompt_embeds must be a base64 string, got {type(data).__name__}")
+    if len(data) == 0:
+        raise ValueError("prompt_embeds is empty")
+    if (len(data) // 4) * 3 > max_payload + 3:
+        raise ValueError(
+            f"prompt_embeds payload of about {(len(data) // 4) * 3} bytes exceeds the cap of "
+            f"{max_payload} bytes"
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValueError(f"prompt_embeds is not valid base64: {err}") from None
+    if len(raw) > max_payload:
+        raise ValueError(f"prompt_embeds payload of {len(raw)} bytes exceeds the cap of {max_payload} bytes")
+    return raw
+
+
+def _torch_load_safely(raw: bytes) -> object:
+    try:
+        with torch.sparse.check_sparse_tensor_invariants(enable=True):
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001  any failure of hostile input is a client error
+        raise ValueError(
+            "prompt_embeds could not be loaded as a tensor saved with torch.save "
+            f"(weights_only loading refuses anything else): {type(err).__name__}: {err}"
+        ) from None
+
+
+def load_prompt_embeds(
+    data: str | bytes | bytearray,
+    *,
+    hidden_size: int,
+    max_bytes: int = DEFAULT_MAX_PROMPT_EMBEDS_BYTES,
+    max_rows: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Decode and validate wire prompt embeds into a dense `(n, hidden_size)` CPU tensor.
+
+    `max_bytes` caps the tensor's declared dense size (its payload may exceed it only by
+    torch.save's framing); `max_rows` is the model's context length; `dtype` casts the result
+    (default: keep the sent floating dtype). A 3-D tensor with batch 1 is squeezed; any other
+    rank is refused. Raises ValueError on anything else.
+    """
+    if dtype is not None and dtype not in _ACCEPTED_DTYPES:
+        raise ValueError(f"dtype must be one of {_ACCEPTED_DTYPES}, got {dtype}")
+    raw = _decode_base64(data, max_bytes + _PAYLOAD_SLACK_BYTES)
+    tensor = _torch_load_safely(raw)
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"prompt_embeds must hold a single tensor, got {type(tensor).__name__}")
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        raise ValueError(f"prompt_embeds tensor loaded on {tensor.device}, expected cpu")
+
+    # Everything below until densifying reads only shape and dtype (declared, not materialised).
+    if tensor.dtype not in _ACCEPTED_DTYPES:
+        raise ValueError(
+            f"prompt_embeds must be a floating tensor ({', '.join(str(d) for d in _ACCEPTED_DTYPES)}), "
+            f"got {tensor.dtype}"
+        )
+    shape = tuple(tensor.shape)
+    if len(shape) == 3:
+        if shape[0] != 1:
+            raise ValueError(f"prompt_embeds 3-D tensors must have batch size 1, got shape {shape}")
+    elif len(shape) != 2:
+        raise ValueError(f"prompt_embeds must be 2-D (n, hidden) or (1, n, hidden), got shape {shape}")
+    dense_bytes = math.prod(shape) * tensor.dtype.itemsize
+    if dense_bytes > max_bytes:
+        raise ValueError(
+            f"prompt_embeds declares {dense_bytes} bytes (shape {shape}, {tensor.dtype}), over the cap "
+            f"of {max_bytes} bytes"
+        )
+    rows, hidden = shape[-2], shape[-1]
+    if rows == 0:
+        raise ValueError(f"prompt_embeds is empty (shape {shape})")
+    if hidden != hidden_size:
+        raise ValueError(f"prompt_embeds hidden size {hidden} does not match the model's {hidden_size}")
+    if max_rows is not None and rows > max_rows:
+        raise ValueError(f"prompt_embeds has {rows} rows, longer than the model's context of {max_rows}")
+
+    if tensor.layout != torch.strided:
+        tensor = tensor.to_dense()
+    if tensor.dim() == 3:
+        tensor = tensor[0]
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(
+            "prompt_embeds holds NaN or Inf values" + (f" (after casting to {dtype})" if dtype else "")
+        )
+    return tensor.contiguous()
