@@ -1,0 +1,625 @@
+"""Triton kernels over Bridge's paged KV cache: the KV write, a prefill kernel and a split-KV decode kernel.
+
+Cache layout per layer: `key_cache` / `value_cache` are (num_blocks, block_size, num_kv_heads, head_dim).
+A token's position `p` in request `b` lives in block `block_tables[b, p // block_size]` at offset
+`p % block_size`. Every kernel addresses the cache per token (block id looked up from the block table for
+each key in a tile), so a tile of keys may span several pages and the tile size is independent of the
+page size.
+
+Why three attention kernels:
+
+- Decode (`_decode_kernel`, one query row per request) is bound by reading the KV cache. One program
+  handles one (request, KV head, split) and processes all query heads of its KV-head group together, so each
+  K/V byte is read once per KV head (GQA). When there are few (request, KV head) pairs compared to the SMs,
+  the key range is split (flash-decoding) and `_decode_reduce_kernel` merges the partial results through
+  their log-sum-exp. The grid depends only on `num_reqs`, the head counts and the split count, never on
+  sequence lengths, and the loop bounds come from `seq_lens` in the kernel, so the pair can be captured in a
+  CUDA graph and replayed with other lengths.
+- Prefill (`_prefill_kernel`, query rows > 1) covers prompts from scratch, chunks with a paged prefix and
+  earlier chunks. One program handles BLOCK_Q query tokens x all query heads of one KV head, packed as the
+  rows of one tile, so K/V tiles are shared across the group. Tiles entirely below the causal diagonal run
+  without a mask.
+- A mixed step launches both: the decode kernel skips requests whose query length is not 1 and the prefill
+  kernel skips those whose query length is <= 1, a choice made on the device from `query_start_loc`, so no
+  host work or sync is needed to sort requests.
+
+All softmax state is fp32 and in base 2 (`exp2` with the scale folded with log2(e)).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from runner.attention_metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------------------
+# KV write
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    num_kv_heads,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
+    k = tl.load(
+        key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask
+    )
+    v = tl.load(
+        value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask
+    )
+    kc = key_cache_ptr + blk * stride_kcb + off * stride_kcs
+    vc = value_cache_ptr + blk * stride_vcb + off * stride_vcs
+    tl.store(
+        kc + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
+        k.to(key_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        vc + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
+        v.to(value_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter (num_tokens, num_kv_heads, head_dim) key/value rows into their cache slots; slot -1 is skipped.
+
+    One program per token, no host sync: capturable in a CUDA graph.
+    """
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        num_kv_heads,
+        head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 2,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shared tile step of the online softmax
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,
+    start,
+    kv_limit,
+    q_pos,
+    kv_head,
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASK_KV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    """One key tile [start, start + TILE_N) against the query rows `q` (BLOCK_M, HEAD_DIM).
+
+    MASK_KV: keys at or past `kv_limit` are masked (the tail tile). CAUSAL: key j is visible to row r
+    only when j <= q_pos[r]. Neither is needed for tiles wholly inside every row's visible range.
+    """
+    offs_n = start + tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASK_KV:
+        n_mask = offs_n < kv_limit
+        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
+    in_blk = offs_n % BLOCK_SIZE
+    k_ptrs = (
+        k_cache_ptr
+        + blk[None, :] * stride_kb
+        + in_blk[None, :] * stride_ks
+        + kv_head * stride_kh
+        + offs_d[:, None] * stride_kd
+    )
+    v_ptrs = (
+        v_cache_ptr
+        + blk[:, None] * stride_vb
+        + in_blk[:, None] * stride_vs
+        + kv_head * stride_vh
+        + offs_d[None, :] * stride_vd
+    )
+    if MASK_KV:
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if IS_FP32:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * qk_scale
+    if MASK_KV:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASK_KV:
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None]
+    if IS_FP32:
+        acc += tl.dot(p, v, input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    num_q_heads,
+    num_q_per_kv,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    if q_end - q_start != 1:
+        # Not a single-row request: the prefill kernel handles it, or it is a padding request with no rows.
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < num_q_per_kv
+    heads = kv_head * num_q_per_kv + offs_g
+    row = q_start.to(tl.int64)
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_mask[:, None],
+        other=0.0,
+    )
+
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = seq_len
+    else:
+        # Whole tiles per split so every split but the last starts on a tile boundary.
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, seq_len)
+    full_hi = lo + tl.maximum(hi - lo, 0) // TILE_N * TILE_N
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32)  # unused: decode sees every cached key
+    for start in range(lo, full_hi, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, hi, q_pos, kv_head, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32,
+        )  # fmt: skip
+    if full_hi < hi:
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, full_hi, hi, q_pos, kv_head, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, True, False, IS_FP32,
+        )  # fmt: skip
+
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None],
+        )
+    else:
+        part = (req.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    num_q_heads,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    if q_end - q_start != 1:
+        return
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    base = (req.to(tl.int64) * num_q_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty (padding): weights 0
+    w = tl.exp2(lse - lse_max)
+    total = tl.sum(w, 0)
+    o = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0
+    )
+    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od,
+        res.to(out_ptr.dtype.element_ty),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prefill
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    num_q_per_kv,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    G_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IS_FP32: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    # Later query blocks see more keys: launch them first.
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    q_len = q_end - q_start
+    if q_len <= 1:
+        # 1: the decode kernel's; 0: a padding request.
+        return
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_idx = q_block * BLOCK_Q + offs_m // G_PAD
+    g = offs_m % G_PAD
+    row_mask = (q_idx < q_len) & (g < num_q_per_kv)
+    heads = kv_head * num_q_per_kv + g
+    rows = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+    q_pos = context_len + q_idx
+
+    first_pos = context_len + q_block * BLOCK_Q
+    kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    # Keys [0, full_end) are visible to every row of this block: no mask there.
+    full_end = (first_pos + 1) // TILE_N * TILE_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for start in range(0, full_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32,
+        )  # fmt: skip
+    for start in range(full_end, kv_end, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32,
+        )  # fmt: skip
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch configuration and host wrappers
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernel. `num_splits=None` picks from the grid size and SM count."""
+
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    num_splits: int | None = None
+    max_splits: int = 16
+    # Aim for about this many programs per SM before splitting further.
+    programs_per_sm: int = 4
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters of the prefill kernel. block_m = query rows per program (tokens x padded group)."""
+
+    block_m: int = 128
+    tile_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter runs: any small number exercises the split path
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, config: DecodeConfig) -> int:
+    """Split the key range only while (requests x KV heads) leaves SMs idle.
+
+    Depends on the (padded) batch size and head count alone, never on sequence lengths, so a captured CUDA
+    graph stays valid for every replay.
+    """
+    if config.num_splits is not None:
+        return max(1, config.num_splits)
+    target = _num_sms(device) * config.programs_per_sm
+    base = max(1, num_reqs * num_kv_heads)
+    return int(min(config.max_splits, max(1, -(-target // base))))
+
+
+def _default_prefill_config(
+    head_dim: int, dtype: torch.dtype, max_query_len: int, group_pad: int
+) -> PrefillConfig:
+    # Short queries (a mixed batch of small chunks) waste less work with fewer rows per program.
+    rows_needed = triton.next_power_of_2(max(1, max_query_len)) * group_pad
+    block_m = max(16, min(128, rows_needed))
+    if dtype == torch.float32:
+        return PrefillConfig(block_m=min(block_m, 64), tile_n=32, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return PrefillConfig(block_m=block_m, tile_n=64, num_warps=4, num_stages=3)
+    return PrefillConfig(block_m=block_m, tile_n=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
+
+
+def _default_decode_config(dtype: torch.dtype) -> DecodeConfig:
+    if dtype == torch.float32:
+        return DecodeConfig(tile_n=32, num_warps=4, num_stages=2)
+    return DecodeConfig()
+
+
+def validate_triton_shapes(head_dim: int, block_size: int) -> None:
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"Triton paged attention needs head_dim a power of two in [16, 256], got {head_dim}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"Triton paged attention needs block_size a power of two, got {block_size}")
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    decode_config: DecodeConfig | None = None,
+    prefill_config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Run the decode and/or prefill kernels into `out` (num_tokens, num_q_heads, head_dim); returns `out`.
+
+    Which kernels launch: `meta.is_decode_only` -> decode only (CUDA-graph path: no host data read beyond
+    `meta.num_reqs`). Otherwise the prefill kernel, plus the decode kernel unless the host copy
+    `meta.query_start_loc_cpu` shows no single-row request.
+    """
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    validate_triton_shapes(head_dim, block_size)
+    num_reqs = meta.num_reqs
+    if num_reqs == 0 or query.shape[0] == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    qk_scale = float(scale) * LOG2E
+    is_fp32 = query.dtype == torch.float32
+    common_strides = (
+        *query.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        meta.block_tables.stride(0),
+        *out.stride(),
+    )
+
+    launch_decode = meta.is_decode_only
+    launch_prefill = not meta.is_decode_only
+    if launch_prefill:
+        qsl = meta.query_start_loc_cpu
+        launch_decode = (not qsl) or any(qsl[i + 1] - qsl[i] == 1 for i in range(num_reqs))
+        if qsl and meta.max_query_len <= 1:
+            launch_prefill = False
+
+    if launch_decode:
+        cfg = decode_config or _default_decode_config(query.dtype)
+        splits = choose_num_splits(num_reqs, num_kv_heads, query.device, cfg)
+        block_g = max(16, triton.next_power_of_2(group))
+        if splits > 1:
+            part_out = torch.empty(
+                (num_reqs, num_q_heads, splits, head_dim), dtype=torch.float32, device=query.device
+            )
+            part_lse = torch.empty((num_reqs, num_q_heads, splits), dtype=torch.float32, device=query.device)
+        else:
+            part_out = part_lse = out  # unused
+        _decode_kernel[(num_reqs, num_kv_heads, splits)](
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            out, part_out, part_lse, qk_scale, *common_strides, num_q_heads, group,
+            NUM_SPLITS=splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=block_g,
+            TILE_N=cfg.tile_n, IS_FP32=is_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if splits > 1:
+            _decode_reduce_kernel[(num_reqs, num_q_heads)](
+                part_out, part_lse, meta.query_start_loc, out, *out.stride(), num_q_heads,
+                NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                num_warps=1 if head_dim <= 64 else 2,
+            )  # fmt: skip
+
+    if launch_prefill:
+        group_pad = triton.next_power_of_2(group)
+        cfg = prefill_config or _default_prefill_config(head_dim, query.dtype, meta.max_query_len, group_pad)
+        block_m = max(cfg.block_m, 16, group_pad)
+        block_q = block_m // group_pad
+        num_q_blocks = max(1, math.ceil(meta.max_query_len / block_q))
+        _prefill_kernel[(num_q_blocks, num_kv_heads, num_reqs)](
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+            qk_scale, *common_strides, group,
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_Q=block_q, G_PAD=group_pad, TILE_N=cfg.tile_n,
+            IS_FP32=is_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out

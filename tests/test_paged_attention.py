@@ -1,0 +1,407 @@
+"""Paged attention: the torch path against a dense causal reference, the Triton kernels against the torch
+path (under TRITON_INTERPRET=1 on the CPU), and the KV write.
+
+Batches are built the way the runner builds them: each request's earlier tokens are already in the cache,
+this step's K/V go through `write_kv`, block tables are shuffled so pages are scattered, and the cache is
+filled with random garbage first so a kernel that reads a wrong slot shows up. Outputs are poisoned with
+NaN so rows a kernel forgot to write show up too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from runner.attention_metadata import AttentionMetadata
+from runner.paged_attention import paged_attention, paged_attention_torch, write_kv
+from runner.paged_attention_triton import DecodeConfig, PrefillConfig, paged_attention_triton
+
+
+def _interpreter_accepts_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns loop bounds into ints with `int(array_of_shape_1)`, which NumPy >= 2.4
+    rejects; every kernel whose loop bound is loaded from memory then fails under TRITON_INTERPRET=1.
+    Re-register `__index__` with an explicit element read (interpreter-only; compiled kernels unaffected).
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_accepts_numpy_2_4", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._accepts_numpy_2_4 = True
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_accepts_numpy_2_4()
+
+# Small tiles so the interpreter stays fast and tiles span several pages / pages span several tiles.
+SMALL_DECODE = DecodeConfig(tile_n=16, num_warps=4, num_stages=1, num_splits=1)
+SMALL_PREFILL = PrefillConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1)
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    meta: AttentionMetadata
+    full_keys: list[torch.Tensor]  # per request, (seq_len, kv_heads, head_dim): the whole sequence
+    full_values: list[torch.Tensor]
+    scale: float
+
+
+def make_batch(
+    specs: list[tuple[int, int]],
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    block_size: int = 16,
+    seed: int = 0,
+    padding_reqs: int = 0,
+    padding_tokens: int = 0,
+    decode_only: bool = False,
+) -> Batch:
+    """`specs` lists (cached context length, query length) per request.
+
+    `padding_reqs` appends requests with no rows and seq_len 0 (a padded CUDA-graph batch);
+    `padding_tokens` appends rows that belong to no request and have slot -1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [ctx + q for ctx, q in specs]
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_needed) + 1
+    block_tables = torch.full((len(specs) + padding_reqs, max_blocks), -1, dtype=torch.int32)
+
+    query_start_loc, slots, new_k, new_v, full_keys, full_values = [0], [], [], [], [], []
+    for b, ((ctx, q_len), seq_len) in enumerate(zip(specs, seq_lens)):
+        for j in range(blocks_needed[b]):
+            block_tables[b, j] = free.pop()
+        keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        values = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        full_keys.append(keys)
+        full_values.append(values)
+        for pos in range(seq_len):
+            slot_block, slot_off = int(block_tables[b, pos // block_size]), pos % block_size
+            if pos < ctx:  # cached by earlier steps
+                key_cache[slot_block, slot_off] = keys[pos]
+                value_cache[slot_block, slot_off] = values[pos]
+            else:  # written by this step
+                slots.append(slot_block * block_size + slot_off)
+        new_k.append(keys[ctx:])
+        new_v.append(values[ctx:])
+        query_start_loc.append(query_start_loc[-1] + q_len)
+    query_start_loc += [query_start_loc[-1]] * padding_reqs
+    seq_lens_all = seq_lens + [0] * padding_reqs
+    slots += [-1] * padding_tokens
+    num_tokens = len(slots)
+    pad = torch.zeros(padding_tokens, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    write_kv(
+        torch.cat(new_k + [pad]),
+        torch.cat(new_v + [pad]),
+        key_cache,
+        value_cache,
+        slot_mapping,
+        backend="torch",
+    )
+
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens_all, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(q for _, q in specs),
+        max_seq_len=max(seq_lens),
+        num_reqs=len(specs) + padding_reqs,
+        is_decode_only=decode_only,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens_all,
+    )
+    query = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen)
+    return Batch(query, key_cache, value_cache, meta, full_keys, full_values, head_dim**-0.5)
+
+
+def dense_reference(batch: Batch) -> torch.Tensor:
+    """Naive causal attention in float64 on each request's contiguous K/V (no paging involved)."""
+    qsl = batch.meta.query_start_loc_cpu
+    out = torch.full(batch.query.shape, float("nan"), dtype=torch.float64)
+    for b, (keys, values) in enumerate(zip(batch.full_keys, batch.full_values)):
+        q = batch.query[qsl[b] : qsl[b + 1]].double()
+        q_len, seq_len = q.shape[0], keys.shape[0]
+        group = q.shape[1] // keys.shape[1]
+        k = keys.double().repeat_interleave(group, dim=1)
+        v = values.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * batch.scale
+        visible = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[qsl[b] : qsl[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def poisoned(batch: Batch) -> torch.Tensor:
+    return torch.full_like(batch.query, float("nan"))
+
+
+def owned_rows(batch: Batch) -> int:
+    return batch.meta.query_start_loc_cpu[-1]
+
+
+CASES = {
+    "prefill_from_scratch": [(0, 23), (0, 5), (0, 2)],
+    "chunked_prefill_with_paged_prefix": [(37, 11), (16, 16), (5, 30)],
+    "decode": [(40, 1), (0, 1), (63, 1), (16, 1)],
+    "mixed": [(0, 19), (33, 1), (50, 7), (15, 1), (0, 1)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "block_size"), [(4, 2, 16), (2, 2, 16), (6, 2, 32), (4, 1, 16)]
+)
+def test_torch_path_matches_dense_reference(case, num_q_heads, num_kv_heads, block_size):
+    batch = make_batch(CASES[case], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, block_size=block_size)
+    out = paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, out=poisoned(batch)
+    )
+    torch.testing.assert_close(out.double(), dense_reference(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_path_without_host_copies_matches():
+    batch = make_batch(CASES["mixed"], seed=3)
+    expected = paged_attention_torch(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, poisoned(batch)
+    )
+    batch.meta.query_start_loc_cpu, batch.meta.seq_lens_cpu = [], []
+    got = paged_attention_torch(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, poisoned(batch)
+    )
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def run_triton(batch: Batch, decode=SMALL_DECODE, prefill=SMALL_PREFILL) -> torch.Tensor:
+    return paged_attention_triton(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, poisoned(batch),
+        decode_config=decode, prefill_config=prefill,
+    )  # fmt: skip
+
+
+def run_torch(batch: Batch) -> torch.Tensor:
+    return paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, poisoned(batch),
+        backend="torch",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["prefill_from_scratch", "chunked_prefill_with_paged_prefix", "mixed"])
+def test_triton_prefill_matches_torch_path(case):
+    batch = make_batch(CASES[case], seed=1)
+    torch.testing.assert_close(run_triton(batch), run_torch(batch), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "tile_n", "block_m", "num_q_heads", "num_kv_heads"),
+    [
+        (16, 32, 16, 4, 2),  # a key tile spans two pages
+        (32, 16, 32, 6, 2),  # a page spans two tiles; group of 3 padded to 4
+        (64, 16, 16, 2, 2),  # MHA: one query head per KV head
+    ],
+)
+def test_triton_prefill_tilings_match_torch_path(block_size, tile_n, block_m, num_q_heads, num_kv_heads):
+    batch = make_batch(
+        [(45, 20), (0, 33)], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, block_size=block_size, seed=2
+    )
+    prefill = PrefillConfig(block_m=block_m, tile_n=tile_n, num_warps=4, num_stages=1)
+    torch.testing.assert_close(run_triton(batch, prefill=prefill), run_torch(batch), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("block_size", "tile_n"), [(16, 16), (16, 32), (32, 16)])
+def test_triton_decode_matches_torch_path(num_splits, block_size, tile_n):
+    batch = make_batch([(70, 1), (0, 1), (17, 1), (31, 1)], block_size=block_size, seed=4, decode_only=True)
+    decode = DecodeConfig(tile_n=tile_n, num_warps=4, num_stages=1, num_splits=num_splits)
+    torch.testing.assert_close(run_triton(batch, decode=decode), run_torch(batch), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_triton_decode_padded_batch_is_harmless(num_splits):
+    """A CUDA-graph-style padded batch: extra requests with no rows and seq_len 0, trailing slot -1 rows."""
+    batch = make_batch(
+        [(40, 1), (9, 1)], seed=5, padding_reqs=3, padding_tokens=2, decode_only=True, num_q_heads=8
+    )
+    decode = DecodeConfig(tile_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    out = run_triton(batch, decode=decode)
+    real = owned_rows(batch)
+    torch.testing.assert_close(out[:real], run_torch(batch)[:real], atol=2e-5, rtol=2e-5)
+    assert torch.isnan(out[real:]).all(), "rows of no request must be left alone"
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_triton_decode_one_row_padding_request_gets_zeros(num_splits):
+    """Padding as one row per request with seq_len 0: the row is written with zeros, never NaN."""
+    batch = make_batch([(20, 1)], seed=6, decode_only=True)
+    batch.meta.query_start_loc = torch.tensor([0, 1, 2], dtype=torch.int32)
+    batch.meta.seq_lens = torch.tensor([21, 0], dtype=torch.int32)
+    batch.meta.block_tables = torch.cat([batch.meta.block_tables, torch.zeros_like(batch.meta.block_tables)])
+    batch.meta.num_reqs = 2
+    batch.meta.query_start_loc_cpu, batch.meta.seq_lens_cpu = [0, 1, 2], [21, 0]
+    batch.query = torch.cat([batch.query, torch.randn(1, *batch.query.shape[1:])])
+    decode = DecodeConfig(tile_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    out = run_triton(batch, decode=decode)
+    ref = run_torch(batch)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert (out[1] == 0).all()
+
+
+def test_triton_mixed_batch_with_default_configs_and_dispatcher():
+    """The dispatcher's `backend="triton"` with the default launch choices (auto split count)."""
+    batch = make_batch(CASES["mixed"], seed=7, padding_tokens=1)
+    out = paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, out=poisoned(batch),
+        backend="triton",
+    )  # fmt: skip
+    real = owned_rows(batch)
+    torch.testing.assert_close(out[:real].double(), dense_reference(batch)[:real], atol=2e-5, rtol=2e-5)
+    assert torch.isnan(out[real:]).all()
+
+
+def test_triton_accepts_strided_query_and_out():
+    """Queries arrive as a transposed view of a (1, heads, tokens, dim) projection; no copy is needed."""
+    batch = make_batch(CASES["mixed"], seed=8)
+    strided_query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided_query.is_contiguous()
+    out = torch.full((batch.query.shape[1], batch.query.shape[0], batch.query.shape[2]), float("nan"))
+    paged_attention_triton(
+        strided_query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, out.transpose(0, 1),
+        decode_config=SMALL_DECODE, prefill_config=SMALL_PREFILL,
+    )  # fmt: skip
+    torch.testing.assert_close(out.transpose(0, 1), run_torch(batch), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_write_kv_writes_slots_and_skips_padding(backend):
+    gen = torch.Generator().manual_seed(9)
+    key_cache = torch.randn(4, 16, 2, 16, generator=gen)
+    value_cache = torch.randn(4, 16, 2, 16, generator=gen)
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    slot_mapping = torch.tensor([5, -1, 40, 63, -1, 16], dtype=torch.int64)
+    # A strided view, as a transposed projection output would be.
+    key = torch.randn(2, 6, 16, generator=gen).transpose(0, 1)
+    value = torch.randn(2, 6, 16, generator=gen).transpose(0, 1)
+    write_kv(key, value, key_cache, value_cache, slot_mapping, backend=backend)
+
+    expected_k, expected_v = before_k.clone(), before_v.clone()
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            expected_k[slot // 16, slot % 16] = key[t]
+            expected_v[slot // 16, slot % 16] = value[t]
+    assert not torch.equal(expected_k, before_k)
+    torch.testing.assert_close(key_cache, expected_k, atol=0, rtol=0)
+    torch.testing.assert_close(value_cache, expected_v, atol=0, rtol=0)
+
+
+def test_bad_inputs_raise_value_error():
+    batch = make_batch([(3, 2)])
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention(batch.query[:, :3], batch.key_cache, batch.value_cache, batch.meta, 1.0)
+    with pytest.raises(ValueError, match="dtype|is torch"):
+        paged_attention(batch.query.double(), batch.key_cache, batch.value_cache, batch.meta, 1.0)
+    odd_cache = torch.zeros(2, 16, 2, 24)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_attention(torch.zeros(2, 4, 24), odd_cache, odd_cache, batch.meta, 1.0, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, 1.0, backend="cuda")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), batch.key_cache, batch.value_cache,
+                 torch.zeros(2, dtype=torch.int64))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------------
+# GPU: the compiled kernels in bf16, and a decode captured in a CUDA graph then replayed with new lengths.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _to_cuda(batch: Batch, dtype: torch.dtype) -> Batch:
+    m = batch.meta
+    meta = AttentionMetadata(
+        slot_mapping=m.slot_mapping.cuda(), query_start_loc=m.query_start_loc.cuda(),
+        seq_lens=m.seq_lens.cuda(),
+        block_tables=m.block_tables.cuda(), max_query_len=m.max_query_len, max_seq_len=m.max_seq_len,
+        num_reqs=m.num_reqs, is_decode_only=m.is_decode_only, query_start_loc_cpu=list(m.query_start_loc_cpu),
+        seq_lens_cpu=list(m.seq_lens_cpu),
+    )  # fmt: skip
+    return Batch(
+        batch.query.to("cuda", dtype), batch.key_cache.to("cuda", dtype), batch.value_cache.to("cuda", dtype),
+        meta, batch.full_keys, batch.full_values, batch.scale,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gpu_kernels_match_torch_path(dtype, head_dim, case):
+    specs = [(ctx * 9, q * 13 if q > 1 else 1) for ctx, q in CASES[case]]
+    batch = _to_cuda(
+        make_batch(specs, num_q_heads=16, num_kv_heads=8, head_dim=head_dim, decode_only=case == "decode"),
+        dtype,
+    )
+    got = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale,
+                          out=torch.full_like(batch.query, float("nan")))  # fmt: skip
+    ref = paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, backend="torch"
+    )
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_gpu_decode_replays_in_cuda_graph_with_new_lengths(num_splits):
+    dtype = torch.bfloat16
+    first = _to_cuda(make_batch([(100, 1), (300, 1), (7, 1)], num_q_heads=16, num_kv_heads=8, head_dim=128,
+                                padding_reqs=1, decode_only=True, seed=10), dtype)  # fmt: skip
+    config = DecodeConfig(num_splits=num_splits)
+    out = torch.empty_like(first.query)
+    q = first.query.clone()
+
+    def step():
+        paged_attention_triton(q, first.key_cache, first.value_cache, first.meta, first.scale, out,
+                               decode_config=config)  # fmt: skip
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # New step: other lengths and other pages, written into the captured tensors in place.
+    second = _to_cuda(make_batch([(250, 1), (3, 1), (60, 1)], num_q_heads=16, num_kv_heads=8, head_dim=128,
+                                 padding_reqs=1, decode_only=True, seed=11), dtype)  # fmt: skip
+    assert second.key_cache.shape[0] <= first.key_cache.shape[0]
+    first.key_cache.zero_()
+    first.value_cache.zero_()
+    first.key_cache[: second.key_cache.shape[0]] = second.key_cache
+    first.value_cache[: second.value_cache.shape[0]] = second.value_cache
+    first.meta.seq_lens.copy_(second.meta.seq_lens)
+    first.meta.block_tables.fill_(0)
+    first.meta.block_tables[:, : second.meta.block_tables.shape[1]] = second.meta.block_tables
+    q.copy_(second.query)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention(second.query, second.key_cache, second.value_cache, second.meta, second.scale,
+                          backend="torch")  # fmt: skip
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
