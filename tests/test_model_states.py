@@ -134,6 +134,22 @@ def test_prompt_embeds_fail_fast_on_config_only_dirs(tmp_path, kind, cls, reason
         check_model_dir(model_dir, enable_prompt_embeds=False)
 
 
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [
+        ("llama", DefaultModelState),
+        ("qwen2", DefaultModelState),
+        ("qwen3", DefaultModelState),
+        ("qwen2_vl", MRopeModelState),
+    ],
+)
+def test_tiny_kit_directories_resolve(tiny_model_root, family, expected):
+    model_dir = tiny_models.build_tiny_model(tiny_model_root / f"states_{family}", family)
+    checked = check_model_dir(model_dir, enable_prompt_embeds=True)
+    assert checked.model_state_cls is expected
+    assert checked.config.model_type == family
+
+
 def test_decoder_only_dir_passes(tmp_path):
     model_dir = tmp_path / "llama"
     model_dir.mkdir()
@@ -204,22 +220,13 @@ MERGE = 2
 
 
 @pytest.fixture(scope="module")
-def qwen2_vl_model():
-    from transformers import Qwen2VLConfig
+def qwen2_vl_model(tmp_path_factory):
+    """transformers' own Qwen2VLModel on the tiny kit's qwen2_vl config, read back from its directory."""
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
-    config = Qwen2VLConfig(
-        text_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=64,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-        ),
-        vision_config=dict(
-            depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, in_channels=3, patch_size=14,
-            spatial_merge_size=MERGE, temporal_patch_size=2,
-        ),
-        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63,
-    )  # fmt: skip
+    model_dir = tiny_models.build_tiny_model(tmp_path_factory.mktemp("mrope") / "qwen2_vl", "qwen2_vl")
+    config = load_hf_config(model_dir)
+    assert config.vision_config.spatial_merge_size == MERGE
     return Qwen2VLModel(config).eval()
 
 

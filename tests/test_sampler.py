@@ -272,3 +272,28 @@ def test_extreme_temperature_is_finite():
     assert out.token_ids[0].item() == logits[0].argmax().item()
     assert 0 <= out.token_ids[1].item() < VOCAB
     assert not math.isnan(float(out.token_ids.float().sum()))
+
+
+@pytest.mark.gpu
+def test_on_cuda_seeds_greedy_and_penalties_agree_with_cpu():
+    """The lead runs this on the GPU box: `python3 -m pytest -q tests/test_sampler.py -m gpu`."""
+    device = torch.device("cuda")
+    logits = _logits(6, seed=11, vocab=1000).to(device)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=s) for s in range(6)]
+
+    def gens(order):
+        return [torch.Generator(device=device).manual_seed(params[i].seed) for i in order]
+
+    first = Sampler()(logits, SamplingBatch(params, generators=gens(range(6))))
+    perm = [5, 2, 0, 4, 1, 3]
+    permuted = Sampler()(logits[perm], SamplingBatch([params[i] for i in perm], generators=gens(perm)))
+    assert torch.equal(permuted.token_ids, first.token_ids[perm])
+    greedy = Sampler()(logits, SamplingBatch([SamplingParams(temperature=0.0)] * 6))
+    assert torch.equal(greedy.token_ids, logits.argmax(-1))
+    pen = [SamplingParams(temperature=0.0, repetition_penalty=1.7, frequency_penalty=0.5)] * 6
+    batch = SamplingBatch(pen, penalty_prompt_ids=[[1, 2, -1, 5000]] * 6, output_ids=[[3, 3, 7]] * 6)
+    on_gpu = logits.clone()
+    on_cpu = logits.cpu()
+    apply_penalties(on_gpu, batch)
+    apply_penalties(on_cpu, batch)
+    assert torch.allclose(on_gpu.cpu(), on_cpu)
