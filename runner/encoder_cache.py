@@ -400,7 +400,8 @@ class EncoderCache:
         if not realtime and all(w.num_computed_tokens >= w.prompt_len for w in windows):
             return GatheredEmbeds()
         num_tokens = sum(w.num_scheduled_tokens for w in windows)
-        mask = torch.zeros(num_tokens, dtype=torch.bool)
+        # Pinned when the cache lives on a GPU, so the mask's upload below is asynchronous.
+        mask = torch.zeros(num_tokens, dtype=torch.bool, pin_memory=self.device.type == "cuda")
         pieces: list[torch.Tensor] = []
         step_start = 0
         for window in windows:
@@ -411,7 +412,7 @@ class EncoderCache:
         if not pieces:
             return GatheredEmbeds()
         mm_embeds = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return GatheredEmbeds(mm_embeds, mask.to(self.device), mask)
+        return GatheredEmbeds(mm_embeds, mask.to(self.device, non_blocking=True), mask)
 
     def _gather_window(
         self,

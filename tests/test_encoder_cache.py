@@ -366,3 +366,19 @@ def test_tensor_content_hash_is_content_dtype_and_shape_sensitive():
     y = x.clone()
     y[2, 3] += 1
     assert tensor_content_hash(x) != tensor_content_hash(y)
+
+
+@pytest.mark.gpu
+def test_gpu_cache_serves_device_rows_and_mask():
+    device = torch.device("cuda")
+    cache = EncoderCache(100, HIDDEN, torch.bfloat16, device)
+    image = CountingEncoder("image")
+    user = torch.randn(3, HIDDEN)
+    feats = sort_features([_passthrough(user, offset=6), _image(image, 5, 1, 4, is_embed=[T, F, T, T])])
+    cache.ensure(feats, {"image": image})
+    assert cache.get(feats[1].identifier).device.type == "cuda" and cache.num_uploads == 1
+    out = cache.gather([RequestWindow(feats, 0, 6, prompt_len=10), RequestWindow(feats, 6, 4, prompt_len=10)])
+    assert out.mm_embeds.device.type == "cuda" and out.is_mm_embed.device.type == "cuda"
+    expected = torch.cat([image.rows_of((5, 3)), user]).to(torch.bfloat16)
+    assert torch.equal(out.mm_embeds.cpu(), expected)
+    assert out.is_mm_embed.cpu().tolist() == [F, T, F, T, T, F, T, T, T, F]
