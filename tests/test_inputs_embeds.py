@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -38,13 +41,15 @@ def _overlay_reference(out, requests, idx_mapping, query_start_loc, num_computed
 
 
 def _overlays():
+    """The plain reference, plus the real overlay (torch and Triton paths) once it is importable."""
     impls = [("reference", None)]
     try:
-        from runner import PromptEmbedsState  # noqa: PLC0415  (exported once the overlay lands)
-
-        impls.append(("PromptEmbedsState", PromptEmbedsState))
+        from runner.prompt_embeds import PromptEmbedsState
     except ImportError:
-        pass
+        return impls
+    impls.append(("overlay-torch", functools.partial(PromptEmbedsState, use_triton=False)))
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        impls.append(("overlay-triton", functools.partial(PromptEmbedsState, use_triton=True)))
     return impls
 
 
@@ -52,10 +57,13 @@ def _apply_overlay(kind, cls, out, requests, idx_mapping, qsl, nct):
     if cls is None:
         _overlay_reference(out, requests, idx_mapping, qsl, nct)
         return
-    state = cls(max_num_reqs=8, hidden_size=out.shape[1], dtype=out.dtype, device=out.device)
+    max_num_reqs = 8
+    state = cls(max_num_reqs, out.shape[1], out.dtype, out.device)
     for slot, (embeds, is_token_ids) in requests.items():
         state.add_request(slot, f"req{slot}", embeds, is_token_ids)
-    state.apply(out, idx_mapping.to(torch.int32), qsl.to(torch.int32), nct.to(torch.int32))
+    nct_by_slot = torch.zeros(max_num_reqs, dtype=torch.int32)
+    nct_by_slot[: nct.shape[0]] = nct
+    state.apply(out, idx_mapping.to(torch.int32), qsl.to(torch.int32), nct_by_slot)
 
 
 def _mixed_batch(dtype):
