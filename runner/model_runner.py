@@ -1,0 +1,480 @@
+"""Runs one scheduled step on the model: inputs, forward over the paged KV cache, logits, sampling.
+
+The model is an unmodified Hugging Face causal LM loaded with `attn_implementation="bridge_paged"`
+(see `runner.hf_attention`). A step's batch is packed as one sequence `(1, T)`: `position_ids`
+restart per request and the attention metadata says which rows belong together.
+
+Host work per step is a few vectorised numpy operations over host-side tables (token ids and block
+table per slot), written into two pinned staging buffers (one int64, one int32) and moved to the
+device with two non-blocking copies. Every per-step device tensor is a view at a fixed offset of
+two device buffers, so a decode step can replay a CUDA graph captured on the same addresses.
+The only host sync per step reads the sampled tokens.
+
+Only rows that need a token go through the LM head (the last scheduled row of each request whose
+prefill completes or which decodes), plus prompt rows of requests that asked for prompt logprobs;
+full-sequence logits are never formed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runner.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
+from runner.hf_attention import ATTN_IMPLEMENTATION, register_bridge_attention
+from runner.inputs_embeds import InputsEmbedsBuilder
+from runner.kv_cache import KVCacheSpec, allocate_kv_caches
+from runner.request import Request
+from runner.sampler import Sampler, SamplingBatch
+from runner.scheduler import SchedulerOutput, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch-size buckets: 1, 2, 4, 8, then steps of 8 to 64, of 16 to 256, of 32 beyond."""
+    sizes = [1, 2, 4]
+    b = 8
+    while b <= max_num_seqs:
+        sizes.append(b)
+        b += 8 if b < 64 else (16 if b < 256 else 32)
+    if sizes[-1] < max_num_seqs:
+        sizes.append(max_num_seqs)
+    return [s for s in sizes if s <= max_num_seqs]
+
+
+@dataclass
+class _StepViews:
+    """Device (and host) views of one step's inputs inside the staging buffers."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    idx_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    num_computed_by_slot: torch.Tensor
+
+
+class _StagingBuffers:
+    """Pinned host buffers mirrored by device buffers; a step's tensors are views at fixed offsets.
+
+    Layout for a step of `t` token rows, `r` request rows, `w` block-table columns and `l` logits rows:
+      int64: [input_ids t][positions t][slot_mapping t][logits_indices l]
+      int32: [num_computed_by_slot S][query_start_loc r+1][seq_lens r][idx_mapping r][block_tables r*w]
+    Offsets depend only on (t, r, w), so the views a CUDA graph captured for a bucket are the views
+    every replay of that bucket writes.
+    """
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+        self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
+        self.device = device
+        pin = device.type == "cuda"
+        n64 = 4 * max_tokens
+        n32 = max_reqs + (max_reqs + 1) + 2 * max_reqs + max_reqs * max_blocks
+        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        self.np64 = self.host64.numpy()
+        self.np32 = self.host32.numpy()
+        if device.type == "cpu":
+            self.dev64, self.dev32 = self.host64, self.host32
+        else:
+            self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
+            self.dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
+
+    def offsets(self, t: int, r: int, w: int, n_logits: int) -> tuple[list[int], list[int]]:
+        o64 = [0, t, 2 * t, 3 * t, 3 * t + n_logits]
+        s = self.max_reqs
+        o32 = [0, s, s + r + 1, s + 2 * r + 1, s + 3 * r + 1, s + 3 * r + 1 + r * w]
+        return o64, o32
+
+    def views(self, buf64: torch.Tensor, buf32: torch.Tensor, t: int, r: int, w: int,
+              n_logits: int) -> _StepViews:
+        o64, o32 = self.offsets(t, r, w, n_logits)
+        return _StepViews(
+            input_ids=buf64[o64[0] : o64[1]],
+            positions=buf64[o64[1] : o64[2]],
+            slot_mapping=buf64[o64[2] : o64[3]],
+            logits_indices=buf64[o64[3] : o64[4]],
+            num_computed_by_slot=buf32[o32[0] : o32[1]],
+            query_start_loc=buf32[o32[1] : o32[2]],
+            seq_lens=buf32[o32[2] : o32[3]],
+            idx_mapping=buf32[o32[3] : o32[4]],
+            block_tables=buf32[o32[4] : o32[5]].view(r, w),
+        )
+
+    def upload(self, t: int, r: int, w: int, n_logits: int) -> None:
+        if self.dev64 is self.host64:
+            return
+        o64, o32 = self.offsets(t, r, w, n_logits)
+        self.dev64[: o64[-1]].copy_(self.host64[: o64[-1]], non_blocking=True)
+        self.dev32[: o32[-1]].copy_(self.host32[: o32[-1]], non_blocking=True)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache, the per-slot host tables and the CUDA graphs."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        config,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        enable_prompt_embeds: bool,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        register_bridge_attention()
+        self.device = device
+        self.dtype = dtype
+        self.config = config
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.eos_token_ids = tuple(eos_token_ids)
+
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
+        )
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.embed_tokens = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.hidden_size = text.hidden_size
+        self.vocab_size = self.embed_tokens.weight.shape[0]
+        self.kv_spec = KVCacheSpec.from_config(config, dtype, block_size)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        self.set_max_model_len(max_model_len)
+        self.embeds_builder = InputsEmbedsBuilder(max_num_batched_tokens, self.hidden_size, dtype, device)
+        self.prompt_embeds_state = None
+        if enable_prompt_embeds:
+            from runner.prompt_embeds import PromptEmbedsState
+
+            self.prompt_embeds_state = PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device)
+        self.num_embeds_reqs = 0
+        self.sampler = Sampler()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: torch.Tensor | None = None
+        self.num_graph_replays = 0
+        self.num_forward_steps = 0
+
+    # ----------------------------------------------------------------------------- setup
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """(Re)size the per-slot host tables and staging buffers for sequences up to `max_model_len`."""
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        # +1: a request whose prompt fills the context still records its one sampled token.
+        self.token_table = np.zeros((self.max_num_seqs, max_model_len + 1), dtype=np.int64)
+        self.block_table = np.zeros((self.max_num_seqs, self.max_blocks_per_req), dtype=np.int32)
+        self.num_blocks_known = np.zeros(self.max_num_seqs, dtype=np.int64)
+        self.num_computed_by_slot = np.zeros(self.max_num_seqs, dtype=np.int32)
+        self.staging = _StagingBuffers(self.max_num_batched_tokens, self.max_num_seqs,
+                                       self.max_blocks_per_req, self.device)
+
+    @torch.inference_mode()
+    def profile_peak_memory(self) -> int:
+        """Activation peak of the largest step (CUDA only): sizes the KV cache under a memory budget."""
+        if self.device.type != "cuda":
+            return 0
+        t = self.max_num_batched_tokens
+        spec = self.kv_spec
+        n_blocks = -(-t // self.block_size)
+        self.kv_caches = allocate_kv_caches(spec, n_blocks, self.device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        st = self.staging
+        # One request holding every token, its blocks 0..n-1 (needs max_blocks_per_req >= n_blocks).
+        w = min(n_blocks, self.max_blocks_per_req)
+        t = min(t, w * self.block_size)
+        v = st.views(st.dev64, st.dev32, t, 1, w, min(t, self.max_num_seqs))
+        v.input_ids.zero_()
+        v.positions.copy_(torch.arange(t, device=self.device))
+        v.slot_mapping.copy_(torch.arange(t, device=self.device))
+        v.logits_indices.copy_(torch.arange(v.logits_indices.numel(), device=self.device))
+        v.query_start_loc.copy_(torch.tensor([0, t], device=self.device))
+        v.seq_lens.fill_(t)
+        v.block_tables.copy_(torch.arange(w, device=self.device).view(1, w))
+        meta = AttentionMetadata(v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
+                                 max_query_len=t, max_seq_len=t, num_reqs=1,
+                                 query_start_loc_cpu=[0, t], seq_lens_cpu=[t])
+        embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids)
+        logits = self._forward(embeds, v.positions, meta, v.logits_indices)
+        # The sampler's worst case: a few (rows, vocab) fp32 temporaries.
+        probs = torch.softmax(logits, dim=-1).sort(dim=-1)
+        del probs, logits
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_kv_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
+
+    # ----------------------------------------------------------------------------- slots
+    def add_request(self, request: Request) -> None:
+        """A request got a slot: write its known tokens and upload its prompt embeddings."""
+        slot = request.slot
+        n = request.num_tokens
+        self.token_table[slot, : request.num_prompt_tokens] = request.prompt_token_ids
+        if request.output_token_ids:
+            self.token_table[slot, request.num_prompt_tokens : n] = request.output_token_ids
+        self.num_blocks_known[slot] = 0
+        if request.prompt_embeds is not None:
+            self.prompt_embeds_state.add_request(slot, request.request_id, request.prompt_embeds,
+                                                 request.is_token_ids)
+            self.num_embeds_reqs += 1
+
+    def remove_request(self, request: Request) -> None:
+        """Called before the slot goes back to the free list: its model state must be gone first."""
+        if request.prompt_embeds is not None:
+            self.prompt_embeds_state.remove_request(request.request_id)
+            self.num_embeds_reqs -= 1
+        self.num_blocks_known[request.slot] = 0
+
+    # ----------------------------------------------------------------------------- forward
+    def _forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logits_indices: torch.Tensor | None) -> torch.Tensor:
+        with set_forward_context(ForwardContext(meta, self.kv_caches)):
+            hidden = self.decoder(
+                inputs_embeds=embeds.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False
+            ).last_hidden_state[0]
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)
+        return self.lm_head(hidden).float()
+
+    def _graph_bucket(self, num_reqs: int) -> int | None:
+        for b in self.graph_sizes if self.graphs else ():
+            if b >= num_reqs:
+                return b
+        return None
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> StepResult:
+        reqs = so.requests
+        r = len(reqs)
+        t = so.total_num_tokens
+        bs = self.block_size
+        st = self.staging
+
+        # Host tables: new blocks of each request.
+        for req in reqs:
+            s, known, nb = req.slot, self.num_blocks_known[req.slot], len(req.block_ids)
+            if nb > known:
+                self.block_table[s, known:nb] = req.block_ids[known:]
+                self.num_blocks_known[s] = nb
+
+        nsched = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+        slots = np.fromiter((q.slot for q in reqs), dtype=np.int64, count=r)
+        nc = np.fromiter((q.num_computed_tokens for q in reqs), dtype=np.int64, count=r)
+        cu = np.cumsum(nsched)
+        seq_lens = nc + nsched
+        decode_only = so.is_decode_only
+        if decode_only:
+            positions, tok_slots = nc, slots
+        else:
+            req_of_tok = np.repeat(np.arange(r), nsched)
+            positions = np.arange(t) - (cu - nsched)[req_of_tok] + nc[req_of_tok]
+            tok_slots = slots[req_of_tok]
+
+        # Rows whose logits are needed: sampled rows first, then prompt-logprob rows.
+        sample_rows = [int(cu[i]) - 1 for i in range(r) if so.samples[i]]
+        plp_rows, plp_spans = self._prompt_logprob_rows(so, nc, cu - nsched)
+        logit_rows = sample_rows + plp_rows
+
+        bucket = self._graph_bucket(r) if decode_only and not plp_rows else None
+        tp, rp = (bucket, bucket) if bucket else (t, r)
+        w = self.max_blocks_per_req if bucket else max(1, int(-(-seq_lens.max() // bs)))
+        n_logits = 0 if bucket else len(logit_rows)
+        o64, o32 = st.offsets(tp, rp, w, n_logits)
+        h64, h32 = st.np64, st.np32
+        h64[o64[0] : o64[0] + t] = self.token_table[tok_slots, positions]
+        h64[o64[1] : o64[1] + t] = positions
+        h64[o64[2] : o64[2] + t] = self.block_table[tok_slots, positions // bs] * bs + positions % bs
+        if n_logits:
+            h64[o64[3] : o64[4]] = logit_rows
+        self.num_computed_by_slot[slots] = nc
+        h32[o32[0] : o32[1]] = self.num_computed_by_slot
+        h32[o32[1]] = 0
+        h32[o32[1] + 1 : o32[1] + 1 + r] = cu
+        h32[o32[2] : o32[2] + r] = seq_lens
+        h32[o32[3] : o32[3] + r] = slots
+        h32[o32[4] : o32[4] + r * w] = self.block_table[slots, :w].reshape(-1)
+        if bucket and bucket > r:  # padding rows: no KV write, no context, one query row each
+            h64[o64[0] + t : o64[1]] = 0
+            h64[o64[1] + t : o64[2]] = 0
+            h64[o64[2] + t : o64[3]] = -1
+            h32[o32[1] + 1 + r : o32[2]] = np.arange(t + 1, bucket + 1)
+            h32[o32[2] + r : o32[3]] = 0
+            h32[o32[3] + r : o32[4]] = 0
+            h32[o32[4] + r * w : o32[5]] = 0
+        st.upload(tp, rp, w, n_logits)
+        v = st.views(st.dev64, st.dev32, tp, rp, w, n_logits)
+
+        embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids)
+        if self.num_embeds_reqs:
+            self.prompt_embeds_state.apply(embeds[:t], v.idx_mapping[:r], v.query_start_loc[: r + 1],
+                                           v.num_computed_by_slot)
+        if bucket:
+            self.graphs[bucket].replay()
+            self.num_graph_replays += 1
+            logits = self.graph_logits[:r]
+            if len(sample_rows) != r:
+                keep = torch.tensor([i for i in range(r) if so.samples[i]], device=self.device)
+                logits = logits.index_select(0, keep)
+        else:
+            meta = AttentionMetadata(
+                v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
+                max_query_len=int(nsched.max()), max_seq_len=int(seq_lens.max()), num_reqs=r,
+                is_decode_only=decode_only,
+                query_start_loc_cpu=[0, *cu.tolist()], seq_lens_cpu=seq_lens.tolist(),
+            )
+            logits = self._forward(embeds, v.positions, meta, v.logits_indices)
+        self.num_forward_steps += 1
+
+        result = self._sample(so, logits[: len(sample_rows)])
+        if plp_rows:
+            result.prompt_logprobs = self._prompt_logprobs(so, logits[len(sample_rows) :], plp_spans)
+        for i, req in enumerate(reqs):
+            token = result.sampled_token_ids[i]
+            if token is not None and req.num_tokens <= self.max_model_len:
+                self.token_table[req.slot, req.num_tokens] = token
+        return result
+
+    # ----------------------------------------------------------------------------- sampling
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> StepResult:
+        r = so.num_reqs
+        sampled: list[int | None] = [None] * r
+        if logits.shape[0] == 0:
+            return StepResult(sampled)
+        rows = [i for i in range(r) if so.samples[i]]
+        reqs = [so.requests[i] for i in rows]
+        params = [q.sampling_params for q in reqs]
+        penalties = any(p.uses_penalties for p in params)
+        need_outputs = penalties or any(p.min_tokens > 0 for p in params)
+        batch = SamplingBatch(
+            params=params,
+            generators=[q.generator for q in reqs],
+            penalty_prompt_ids=[q.real_prompt_token_ids() for q in reqs] if penalties else None,
+            output_ids=[q.output_token_ids for q in reqs] if need_outputs else None,
+            eos_token_ids=self.eos_token_ids,
+        )
+        out = self.sampler(logits, batch)
+        token_ids = out.token_ids.tolist()
+        for row, tok in zip(rows, token_ids):
+            sampled[row] = tok
+        result = StepResult(sampled)
+        if out.logprobs is not None:
+            lps = out.logprobs.tolist()
+            result.logprobs = [None] * r
+            result.top_logprobs = [None] * r
+            top_ids = out.topk_ids.tolist() if out.topk_ids is not None else None
+            top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
+            for j, row in enumerate(rows):
+                k = params[j].logprobs
+                if k is None:
+                    continue
+                result.logprobs[row] = lps[j]
+                if k and top_ids is not None:
+                    result.top_logprobs[row] = dict(zip(top_ids[j][:k], top_lps[j][:k]))
+        return result
+
+    def _prompt_logprob_rows(self, so: SchedulerOutput, nc: np.ndarray,
+                             starts: np.ndarray) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """Rows of prompt positions p (predicting prompt token p+1) for requests asking prompt logprobs.
+
+        Returns the rows and, per such request, (batch index, first position, count).
+        """
+        rows: list[int] = []
+        spans: list[tuple[int, int, int]] = []
+        for i, req in enumerate(so.requests):
+            if req.sampling_params.prompt_logprobs is None:
+                continue
+            first = int(nc[i])
+            last = min(first + so.num_scheduled_tokens[i], req.num_prompt_tokens - 1)
+            if last <= first:
+                continue
+            base = int(starts[i])
+            rows.extend(range(base, base + last - first))
+            spans.append((i, first, last - first))
+        return rows, spans
+
+    def _prompt_logprobs(self, so: SchedulerOutput, logits: torch.Tensor,
+                         spans: list[tuple[int, int, int]]) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        out: dict[str, tuple[int, list[dict[int, float]]]] = {}
+        offset = 0
+        for i, first, count in spans:
+            req = so.requests[i]
+            k = req.sampling_params.prompt_logprobs
+            targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + count], device=logits.device)
+            lp = logprobs[offset : offset + count]
+            chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+            entries: list[dict[int, float]] = []
+            if k:
+                top_lp, top_ids = lp.topk(min(k, lp.shape[1]), dim=-1)
+                for tid, c, ids, vals in zip(targets.tolist(), chosen, top_ids.tolist(), top_lp.tolist()):
+                    entry = dict(zip(ids, vals))
+                    entry[tid] = c
+                    entries.append(entry)
+            else:
+                entries = [{tid: c} for tid, c in zip(targets.tolist(), chosen)]
+            out[req.request_id] = (first + 1, entries)
+            offset += count
+        return out
+
+    # ----------------------------------------------------------------------------- CUDA graphs
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode-only steps for each batch-size bucket, largest first (one shared memory pool).
+
+        The graph covers the decoder and the LM head; its input is the persistent inputs_embeds
+        buffer (`dummy_inputs_embeds`), so the assembly (token lookup, prompt-embeds overlay) runs
+        eagerly right before each replay and no encoder ever runs at capture.
+        """
+        if self.device.type != "cuda":
+            return
+        self.graph_sizes = cuda_graph_batch_sizes(min(self.max_num_seqs, self.max_num_batched_tokens))
+        max_bs = self.graph_sizes[-1]
+        self.graph_logits = torch.zeros(max_bs, self.vocab_size, dtype=torch.float32, device=self.device)
+        st = self.staging
+        w = self.max_blocks_per_req
+        pool = None
+        for b in reversed(self.graph_sizes):
+            v = st.views(st.dev64, st.dev32, b, b, w, 0)
+            v.input_ids.zero_()
+            v.positions.zero_()
+            v.slot_mapping.fill_(-1)
+            v.query_start_loc.copy_(torch.arange(b + 1, device=self.device, dtype=torch.int32))
+            v.seq_lens.zero_()
+            v.block_tables.zero_()
+            meta = AttentionMetadata(v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
+                                     max_query_len=1, max_seq_len=self.max_model_len, num_reqs=b,
+                                     is_decode_only=True)
+            embeds = self.embeds_builder.dummy_inputs_embeds(b)
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                self.graph_logits[:b].copy_(self._forward(embeds, v.positions, meta, None))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_logits[:b].copy_(self._forward(embeds, v.positions, meta, None))
+            pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs for decode batch sizes %s", len(self.graphs), self.graph_sizes)
+

@@ -1,0 +1,237 @@
+"""One generation request as the engine tracks it: tokens, progress, KV blocks, stop state.
+
+The prompt is always a list of token ids, with placeholder id 0 where the prompt carries an
+embedding row instead of a token. The placeholder never indexes the vocabulary: the
+inputs_embeds assembly masks it and the prompt-embeds overlay writes the row. Keeping one id
+list for every prompt kind lets the scheduler, block tables and preemption-by-recompute treat
+all requests alike.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from runner.outputs import CompletionOutput, RequestOutput
+from runner.sampling_params import SamplingParams
+
+PLACEHOLDER_TOKEN_ID = 0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class IncrementalDetokenizer:
+    """Text of the generated tokens, decoded a few tokens at a time (vLLM's offsets scheme).
+
+    Decoding `ids[prefix_offset:]` and subtracting the text of `ids[prefix_offset:read_offset]`
+    gives the new characters with correct spacing for SentencePiece/BPE tokenizers, at a
+    cost independent of the sequence length. Incomplete UTF-8 (a trailing U+FFFD) is held back
+    until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def step(self, output_ids: list[int]) -> str:
+        """Decode the newest token(s) of `output_ids`; returns the newly added text."""
+        decode = self.tokenizer.decode
+        prefix = decode(output_ids[self.prefix_offset : self.read_offset],
+                        skip_special_tokens=self.skip_special_tokens)
+        full = decode(output_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new_text = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(output_ids)
+            self.text += new_text
+            return new_text
+        return ""
+
+
+@dataclass
+class Request:
+    """A request's whole life in the engine.
+
+    `prompt_embeds` (n, hidden) and `is_token_ids` (bool n) are kept for the request's life so
+    that a preempted request can be re-admitted (its overlay rows are uploaded again) and its
+    prefill recomputed. `slot` is the row of the per-request state tensors (overlay, block
+    table, token table) while the request is running; None otherwise.
+    """
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    prompt_embeds: torch.Tensor | None = None
+    is_token_ids: torch.Tensor | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    # Set when the step that finished the request is processed.
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    _real_prompt_ids: list[int] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+            self.cumulative_logprob = 0.0
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    # ----------------------------------------------------------------------------- sizes
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV the request needs: prompt plus everything generated so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def has_embeds(self) -> bool:
+        return self.prompt_embeds is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def real_prompt_token_ids(self) -> list[int]:
+        """Prompt ids at real-token positions only (what penalties may count), cached."""
+        if self._real_prompt_ids is None:
+            if self.is_token_ids is None:
+                self._real_prompt_ids = (list(self.prompt_token_ids) if self.prompt_embeds is None else [])
+            else:
+                mask = self.is_token_ids.tolist()
+                self._real_prompt_ids = [t for t, m in zip(self.prompt_token_ids, mask) if m]
+        return self._real_prompt_ids
+
+    def token_id_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    # ----------------------------------------------------------------------------- progress
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: the KV is gone, the generated tokens stay and are re-prefilled."""
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+
+    def append_output_token(self, token_id: int, logprob: float | None = None,
+                            top_logprobs: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        if self.logprobs is not None:
+            entry = dict(top_logprobs) if top_logprobs else {}
+            if logprob is not None:
+                entry[token_id] = logprob
+                self.cumulative_logprob += logprob
+            self.logprobs.append(entry)
+
+    def check_stop(self) -> bool:
+        """Decide, after a token was appended, whether the request is done (vLLM semantics).
+
+        EOS and stop tokens stay in `token_ids` (not in the text); a stop string is trimmed from
+        the text (the tokens that produced it stay). `min_tokens` suppresses every stop but
+        the length limit.
+        """
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        n_out = len(self.output_token_ids)
+        if self.detokenizer is not None:
+            new_text = self.detokenizer.step(self.output_token_ids)
+        else:
+            new_text = ""
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return True
+            if last in params.stop_token_ids:
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+                return True
+            if new_text and params.stop_strings:
+                hit = self._find_stop_string(new_text)
+                if hit is not None:
+                    self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, hit
+                    return True
+        if n_out >= params.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _find_stop_string(self, new_text: str) -> str | None:
+        """Search only the tail that the new text could have completed; trim the text at the hit."""
+        text = self.detokenizer.text
+        for stop in self.sampling_params.stop_strings:
+            start = max(0, len(text) - len(new_text) - len(stop) + 1)
+            idx = text.find(stop, start)
+            if idx != -1:
+                self.detokenizer.text = text[:idx]
+                return stop
+        return None
+
+    # ----------------------------------------------------------------------------- output
+    def to_output(self, tokenizer) -> RequestOutput:
+        if self.detokenizer is not None:
+            text = self.detokenizer.text
+        elif tokenizer is not None:
+            text = tokenizer.decode(self.output_token_ids,
+                                    skip_special_tokens=self.sampling_params.skip_special_tokens)
+        else:
+            text = ""
+        finish = self.status.value if self.is_finished else None
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(self.output_token_ids),
+            finish_reason=finish,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=[completion],
+            finished=self.is_finished,
+            prompt_logprobs=self.prompt_logprobs,
+        )

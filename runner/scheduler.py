@@ -1,0 +1,210 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+Each step has a token budget (`max_num_batched_tokens`) and a cap on running requests
+(`max_num_seqs`). Running requests go first, decodes before partial prefills, so generation
+never stalls behind a long prompt; waiting requests then fill what budget is left, a long
+prompt taking a chunk now and the rest in later steps (chunked prefill). When the KV pool runs
+dry the most recently admitted request is preempted by recompute: its blocks are freed, its
+progress reset, and it returns to the front of the waiting queue, tokens generated so far
+kept, to be prefilled again later.
+
+Request slots (rows of the per-request state tensors) come from a free list. The runner is
+told through `on_admit` / `on_release`; `on_release` runs before the slot is put back, so a
+request's model state (its prompt-embeds rows) is gone before anyone else can get the slot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from runner.block_manager import BlockManager
+from runner.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. `requests[i]` runs `num_scheduled_tokens[i]` tokens starting at its
+    `num_computed_tokens`; `samples[i]` says whether that step completes everything the request
+    knows, so the runner must sample its next token."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_scheduled_tokens)
+
+
+@dataclass
+class StepResult:
+    """What the runner hands back per scheduled request (None where it did not sample)."""
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[int, float] | None] | None = None
+    # request_id -> (index of the first entry, entries) for the prompt positions computed this
+    # step; entry i is the logprob dict of prompt token i (entry 0, the first token, is None).
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        on_admit: Callable[[Request], None] | None = None,
+        on_release: Callable[[Request], None] | None = None,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.on_admit = on_admit or (lambda req: None)
+        self.on_release = on_release or (lambda req: None)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots: deque[int] = deque(range(max_num_seqs))
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_steps_scheduled = 0
+
+    # ----------------------------------------------------------------------------- queue
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        del self.requests[request_id]
+        return request
+
+    # ----------------------------------------------------------------------------- slots
+    def _admit(self, request: Request) -> None:
+        request.slot = self.free_slots.popleft()
+        request.status = RequestStatus.RUNNING
+        self.on_admit(request)
+
+    def _release(self, request: Request) -> None:
+        """Free KV blocks, then clean the model state, then return the slot: in that order."""
+        self.block_manager.free(request)
+        if request.slot is not None:
+            self.on_release(request)
+            self.free_slots.append(request.slot)
+            request.slot = None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.reset_for_recompute()
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    # ----------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        bm = self.block_manager
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + partial:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not bm.allocate_slots(request, request.num_computed_tokens + n):
+                victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            self._add(out, request, n, scheduled)
+            budget -= n
+
+        if not out.preempted:
+            while (budget > 0 and self.waiting and self.free_slots
+                   and len(self.running) < self.max_num_seqs):
+                request = self.waiting[0]
+                _, num_cached = bm.get_computed_blocks(request)  # prefix-cache hook (none yet)
+                n = min(request.num_tokens - num_cached, budget)
+                if not bm.allocate_slots(request, num_cached + n):
+                    break
+                self.waiting.popleft()
+                request.num_computed_tokens = num_cached
+                self._admit(request)
+                self.running.append(request)
+                self._add(out, request, n, scheduled)
+                budget -= n
+
+        self.num_steps_scheduled += 1
+        return out
+
+    @staticmethod
+    def _add(out: SchedulerOutput, request: Request, n: int, scheduled: set[str]) -> None:
+        out.requests.append(request)
+        out.num_scheduled_tokens.append(n)
+        out.samples.append(request.num_computed_tokens + n == request.num_tokens)
+        scheduled.add(request.request_id)
+
+    # ----------------------------------------------------------------------------- update
+    def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Advance every scheduled request by the step's result; returns the requests that finished."""
+        finished: list[Request] = []
+        for i, (request, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+            request.num_computed_tokens += n
+            if result.prompt_logprobs and request.prompt_logprobs is not None:
+                first, entries = result.prompt_logprobs.get(request.request_id, (0, []))
+                known = request.prompt_logprobs
+                # A recomputed (preempted) prefill produces entries we already hold: keep the first.
+                known.extend(entries[max(0, len(known) - first):])
+            token = result.sampled_token_ids[i]
+            if token is None:
+                continue
+            logprob = result.logprobs[i] if result.logprobs is not None else None
+            top = result.top_logprobs[i] if result.top_logprobs is not None else None
+            request.append_output_token(token, logprob, top)
+            if request.check_stop():
+                self.running.remove(request)
+                self._release(request)
+                del self.requests[request.request_id]
+                finished.append(request)
+        return finished
