@@ -60,7 +60,9 @@ def describe_mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.
     return problems
 
 
-def load_state_dict_checked(module: nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+def load_state_dict_checked(
+    module: nn.Module, state: dict[str, torch.Tensor], source: str = "checkpoint"
+) -> None:
     """``module.load_state_dict(state)`` after checking names and shapes; ValueError lists every problem."""
     problems = describe_mismatch(module.state_dict(), state)
     if problems:

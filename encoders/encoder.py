@@ -20,8 +20,15 @@ from encoders.parts import Batch, Projector, Tower, check_keys, move_batch
 from encoders.registry import PROJECTORS, TOWERS, lookup, require_name
 
 MODALITIES = ("image", "audio", "graph")
-ENCODER_KEYS = {"modality", "tower", "projector", "llm_hidden_size", "streaming", "freeze_tower",
-                "freeze_projector"}
+ENCODER_KEYS = {
+    "modality",
+    "tower",
+    "projector",
+    "llm_hidden_size",
+    "streaming",
+    "freeze_tower",
+    "freeze_projector",
+}
 
 
 def build_tower(cfg: dict) -> Tower:
@@ -34,7 +41,8 @@ def build_projector(cfg: dict, in_dim: int, out_dim: int) -> Projector:
     """Build a projector from ``{"name": <registered projector>, ...keys}`` mapping in_dim -> out_dim."""
     name = require_name(cfg, "projector")
     return lookup(PROJECTORS, "projector", name).from_config(
-        {k: v for k, v in cfg.items() if k != "name"}, int(in_dim), int(out_dim))
+        {k: v for k, v in cfg.items() if k != "name"}, int(in_dim), int(out_dim)
+    )
 
 
 def build_encoder(cfg: dict) -> Encoder:
@@ -53,8 +61,10 @@ def build_encoder(cfg: dict) -> Encoder:
     if modality not in MODALITIES:
         raise ValueError(f"encoder modality must be one of {list(MODALITIES)}, got {modality!r}")
     if modality != tower.modality:
-        raise ValueError(f"encoder modality {modality!r} does not match tower {cfg['tower'].get('name')!r}, "
-                         f"which encodes {tower.modality!r}")
+        raise ValueError(
+            f"encoder modality {modality!r} does not match tower {cfg['tower'].get('name')!r}, "
+            f"which encodes {tower.modality!r}"
+        )
     projector = build_projector(cfg["projector"], tower.out_dim, hidden)
     return Encoder(cfg, tower, projector)
 
@@ -90,8 +100,10 @@ class Encoder(nn.Module):
             if not isinstance(streaming, dict) or set(streaming) - {"chunk_samples"}:
                 raise ValueError(f"encoder streaming must be {{'chunk_samples': int}}, got {streaming!r}")
             if not hasattr(tower, "split_chunks"):
-                raise ValueError(f"streaming needs a tower that can split items into chunks; "
-                                 f"{type(tower).__name__} ({tower.modality}) cannot")
+                raise ValueError(
+                    f"streaming needs a tower that can split items into chunks; "
+                    f"{type(tower).__name__} ({tower.modality}) cannot"
+                )
             chunk = streaming.get("chunk_samples")
             if not isinstance(chunk, int) or chunk <= 0:
                 raise ValueError(f"streaming.chunk_samples must be a positive int, got {chunk!r}")
@@ -106,7 +118,9 @@ class Encoder(nn.Module):
             "freeze_tower": bool(config.get("freeze_tower", False)),
             "freeze_projector": bool(config.get("freeze_projector", False)),
         }
-        self.set_trainable(tower=not self.config["freeze_tower"], projector=not self.config["freeze_projector"])
+        self.set_trainable(
+            tower=not self.config["freeze_tower"], projector=not self.config["freeze_projector"]
+        )
 
     # ----------------------------------------------------------------- trainable parts
     def set_trainable(self, tower: bool | None = None, projector: bool | None = None) -> None:
@@ -184,7 +198,9 @@ class Encoder(nn.Module):
 
     def forward_padded(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tower + projector over all pieces: ``(P, T, hidden)`` and lengths (None = all T)."""
-        tensors = move_batch({k: v for k, v in batch.items() if k != "_pieces_per_item"}, self.device, self.dtype)
+        tensors = move_batch(
+            {k: v for k, v in batch.items() if k != "_pieces_per_item"}, self.device, self.dtype
+        )
         feats, lengths = self.tower(tensors)
         return self.projector(feats, lengths)
 
@@ -195,7 +211,7 @@ class Encoder(nn.Module):
         counts = batch.get("_pieces_per_item") or [1] * len(rows)
         result, start = [], 0
         for count in counts:
-            group = rows[start:start + count]
+            group = rows[start : start + count]
             result.append(group[0] if count == 1 else torch.cat(group, dim=0))
             start += count
         return result
@@ -220,11 +236,15 @@ class Encoder(nn.Module):
     def encode_stream(self, chunk: Any) -> torch.Tensor:
         """Realtime: encode one chunk of at most ``chunk_samples`` samples -> ``(rows_per_chunk, hidden)``."""
         if not self.is_realtime:
-            raise ValueError("encode_stream needs a streaming encoder (config 'streaming': {'chunk_samples': N})")
+            raise ValueError(
+                "encode_stream needs a streaming encoder (config 'streaming': {'chunk_samples': N})"
+            )
         n = self.tower.num_samples(chunk)
         if n > self.chunk_samples:
-            raise ValueError(f"stream chunk has {n} samples at the model rate, more than chunk_samples="
-                             f"{self.chunk_samples}; split it or use encode()")
+            raise ValueError(
+                f"stream chunk has {n} samples at the model rate, more than chunk_samples="
+                f"{self.chunk_samples}; split it or use encode()"
+            )
         return self.encode([chunk])[0]
 
     # ----------------------------------------------------------------- persistence
@@ -242,5 +262,7 @@ class Encoder(nn.Module):
         return load_encoder(directory, device=device)
 
     def extra_repr(self) -> str:
-        return (f"modality={self.modality!r}, hidden_size={self.hidden_size}, realtime={self.is_realtime}, "
-                f"params={self.num_parameters()}")
+        return (
+            f"modality={self.modality!r}, hidden_size={self.hidden_size}, realtime={self.is_realtime}, "
+            f"params={self.num_parameters()}"
+        )

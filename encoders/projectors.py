@@ -81,8 +81,14 @@ class LinearProjector(Projector):
 class MLPProjector(Projector):
     """``num_layers`` linear layers with GELU between them (LLaVA-1.5 uses 2)."""
 
-    def __init__(self, in_dim: int, out_dim: int, num_layers: int = 2, hidden_dim: int | None = None,
-                 layer_norm: bool = False):
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        num_layers: int = 2,
+        hidden_dim: int | None = None,
+        layer_norm: bool = False,
+    ):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"mlp projector needs num_layers >= 1, got {num_layers}")
@@ -99,8 +105,13 @@ class MLPProjector(Projector):
     @classmethod
     def from_config(cls, cfg: dict, in_dim: int, out_dim: int) -> MLPProjector:
         check_keys(cfg, {"num_layers", "hidden_dim", "layer_norm"}, "projector 'mlp'")
-        return cls(in_dim, out_dim, num_layers=int(cfg.get("num_layers", 2)),
-                   hidden_dim=cfg.get("hidden_dim"), layer_norm=bool(cfg.get("layer_norm", False)))
+        return cls(
+            in_dim,
+            out_dim,
+            num_layers=int(cfg.get("num_layers", 2)),
+            hidden_dim=cfg.get("hidden_dim"),
+            layer_norm=bool(cfg.get("layer_norm", False)),
+        )
 
     def forward(self, x, lengths=None):
         return self.net(x), lengths
@@ -156,7 +167,9 @@ class CrossAttentionBlock(nn.Module):
         self.norm_kv = nn.LayerNorm(dim)
         self.attn = nn.MultiheadAttention(dim, num_heads, batch_first=True)
         self.norm_mlp = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, int(dim * mlp_ratio)), nn.GELU(), nn.Linear(int(dim * mlp_ratio), dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, int(dim * mlp_ratio)), nn.GELU(), nn.Linear(int(dim * mlp_ratio), dim)
+        )
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_pad: torch.Tensor) -> torch.Tensor:
         qn = self.norm_q(q)
@@ -173,8 +186,15 @@ class PerceiverResampler(Projector):
     Useful when a tower's row count is large or variable and the LLM context is precious.
     """
 
-    def __init__(self, in_dim: int, out_dim: int, num_queries: int = 16, num_layers: int = 2,
-                 num_heads: int = 4, dim: int | None = None):
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        num_queries: int = 16,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        dim: int | None = None,
+    ):
         super().__init__()
         dim = dim or out_dim
         if dim % num_heads:
@@ -189,9 +209,14 @@ class PerceiverResampler(Projector):
     @classmethod
     def from_config(cls, cfg: dict, in_dim: int, out_dim: int) -> PerceiverResampler:
         check_keys(cfg, {"num_queries", "num_layers", "num_heads", "dim"}, "projector 'perceiver'")
-        return cls(in_dim, out_dim, num_queries=int(cfg.get("num_queries", 16)),
-                   num_layers=int(cfg.get("num_layers", 2)), num_heads=int(cfg.get("num_heads", 4)),
-                   dim=cfg.get("dim"))
+        return cls(
+            in_dim,
+            out_dim,
+            num_queries=int(cfg.get("num_queries", 16)),
+            num_layers=int(cfg.get("num_layers", 2)),
+            num_heads=int(cfg.get("num_heads", 4)),
+            dim=cfg.get("dim"),
+        )
 
     def output_rows(self, rows: int) -> int:
         return self.num_queries

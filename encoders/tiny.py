@@ -18,8 +18,16 @@ _TINY = {
     "audio": {
         "modality": "audio",
         # 16 kHz log-mel (40 bins, 10 ms hop), 2x conv subsampling, 2 conformer layers of width 64.
-        "tower": {"name": "conformer", "n_mels": 40, "dim": 64, "num_heads": 4, "ffn_dim": 128,
-                  "num_layers": 2, "kernel_size": 15, "subsample": 2},
+        "tower": {
+            "name": "conformer",
+            "n_mels": 40,
+            "dim": 64,
+            "num_heads": 4,
+            "ffn_dim": 128,
+            "num_layers": 2,
+            "kernel_size": 15,
+            "subsample": 2,
+        },
         # stacking 4 frames: 20 ms rows -> 80 ms rows (12.5 rows per second of audio)
         "projector": {"name": "stack_swiglu", "stack": 4},
     },

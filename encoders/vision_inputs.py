@@ -37,8 +37,10 @@ def load_image(item: Any) -> Image.Image:
             array = (array.clamp(0, 1) * 255).round().to(torch.uint8)
         image = Image.fromarray(array.permute(1, 2, 0).squeeze(-1).numpy())
     else:
-        raise ValueError(f"unsupported image item of type {type(item).__name__}; expected PIL.Image, a path, "
-                         "bytes, a numpy array or a (3, H, W) tensor")
+        raise ValueError(
+            f"unsupported image item of type {type(item).__name__}; expected PIL.Image, a path, "
+            "bytes, a numpy array or a (3, H, W) tensor"
+        )
     return image.convert("RGB") if image.mode != "RGB" else image
 
 
