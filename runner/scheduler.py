@@ -82,8 +82,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots: deque[int] = deque(range(max_num_seqs))
         self.requests: dict[str, Request] = {}
+        # Counters for tests and metrics.
         self.num_preemptions = 0
         self.num_steps_scheduled = 0
+        self.num_partial_prefills = 0  # chunks that did not finish their request's prefill
+        self.num_mixed_steps = 0  # steps that carried decodes and prefill chunks together
 
     # ----------------------------------------------------------------------------- queue
     @property
@@ -176,14 +179,18 @@ class Scheduler:
                 budget -= n
 
         self.num_steps_scheduled += 1
+        if 1 in out.num_scheduled_tokens and not out.is_decode_only:
+            self.num_mixed_steps += 1
         return out
 
-    @staticmethod
-    def _add(out: SchedulerOutput, request: Request, n: int, scheduled: set[str]) -> None:
+    def _add(self, out: SchedulerOutput, request: Request, n: int, scheduled: set[str]) -> None:
+        samples = request.num_computed_tokens + n == request.num_tokens
         out.requests.append(request)
         out.num_scheduled_tokens.append(n)
-        out.samples.append(request.num_computed_tokens + n == request.num_tokens)
+        out.samples.append(samples)
         scheduled.add(request.request_id)
+        if not samples:
+            self.num_partial_prefills += 1
 
     # ----------------------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
