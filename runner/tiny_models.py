@@ -273,7 +273,7 @@ def _qwen2_vl_config(text_kwargs: dict[str, Any], head_dim: int, token_ids: dict
         spatial_merge_size=2,
         temporal_patch_size=2,
     )
-    return Qwen2VLConfig(
+    config = Qwen2VLConfig(
         text_config=text_config,
         vision_config=vision_config,
         image_token_id=ids["<image>"],
@@ -283,6 +283,11 @@ def _qwen2_vl_config(text_kwargs: dict[str, Any], head_dim: int, token_ids: dict
         tie_word_embeddings=text_kwargs["tie_word_embeddings"],
         **token_ids,
     )
+    # transformers 5.17 moves these into text_config only; 5.24 keeps them at the top as well. Set them
+    # at the top explicitly so config.json looks the same whichever version wrote it.
+    for name, value in token_ids.items():
+        setattr(config, name, value)
+    return config
 
 
 def _model_class_and_config(family: str, text_kwargs: dict[str, Any], head_dim: int, token_ids, ids):
