@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,34 @@ import triton.language as tl
 from runner.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
+
+
+def _interpreter_accepts_numpy_2_4() -> None:
+    """Let these kernels run under TRITON_INTERPRET=1 with NumPy >= 2.4.
+
+    Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array_of_shape_1)`, which
+    NumPy 2.4 rejects, so every kernel whose loop bound is loaded from memory fails in interpreter mode.
+    Re-register `__index__` with an explicit element read. Interpreter only; compiled kernels are untouched.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_accepts_numpy_2_4", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._accepts_numpy_2_4 = True
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_accepts_numpy_2_4()
 
 
 # ----------------------------------------------------------------------------------------------------------

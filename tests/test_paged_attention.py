@@ -9,40 +9,14 @@ NaN so rows a kernel forgot to write show up too.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 
 from runner.attention_metadata import AttentionMetadata
 from runner.paged_attention import paged_attention, paged_attention_torch, write_kv
 from runner.paged_attention_triton import DecodeConfig, PrefillConfig, paged_attention_triton
-
-
-def _interpreter_accepts_numpy_2_4() -> None:
-    """Triton 3.6's interpreter turns loop bounds into ints with `int(array_of_shape_1)`, which NumPy >= 2.4
-    rejects; every kernel whose loop bound is loaded from memory then fails under TRITON_INTERPRET=1.
-    Re-register `__index__` with an explicit element read (interpreter-only; compiled kernels unaffected).
-    """
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_accepts_numpy_2_4", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._accepts_numpy_2_4 = True
-    interpreter._patch_lang_tensor = patched
-
-
-_interpreter_accepts_numpy_2_4()
 
 # Small tiles so the interpreter stays fast and tiles span several pages / pages span several tiles.
 SMALL_DECODE = DecodeConfig(tile_n=16, num_warps=4, num_stages=1, num_splits=1)
