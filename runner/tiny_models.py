@@ -46,10 +46,6 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen2_vl")
 CONFIG_ONLY_KINDS: tuple[str, ...] = ("t5", "bamba", "qwen3_next", "bert")
 
-# Word-start marker of byte-level BPE: the byte-level image of a space.
-_SPACE_MARK = "\u0120"
-
-
 # --------------------------------------------------------------------------- tokenizer
 
 
@@ -135,15 +131,23 @@ def _build_backend(vocab_words: Sequence[str], pad_to_multiple_of: int):
         return tok
 
     # Bare words can collide (another word's first merge splits them). Repair by moving a broken word's
-    # chain ahead of the others, a bounded number of times; what still fails stays a few tokens long.
+    # chain ahead of the others, a bounded number of times, keeping the order with the fewest broken
+    # words; what still fails stays a few tokens long (its space-led form is one token regardless).
+    def broken_words(tok: Tokenizer) -> list[str]:
+        return [b for b in bare_order if not _encodes_to_one(tok, _decode_piece(b))]
+
     tok = assemble(bare_order)
+    best, best_broken = tok, broken_words(tok)
+    broken = best_broken
     for _ in range(len(bare_order)):
-        broken = [b for b in bare_order if not _encodes_to_one(tok, _decode_piece(b))]
         if not broken:
             break
-        first = broken[0]
-        bare_order = [first] + [b for b in bare_order if b != first]
+        bare_order = [broken[0]] + [b for b in bare_order if b != broken[0]]
         tok = assemble(bare_order)
+        broken = broken_words(tok)
+        if len(broken) < len(best_broken):
+            best, best_broken = tok, broken
+    tok = best
 
     size = tok.get_vocab_size()
     if pad_to_multiple_of > 1 and size % pad_to_multiple_of:
