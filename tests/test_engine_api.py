@@ -1,0 +1,267 @@
+"""The `LLM` API: prompt validation before scheduling, fail-fast model states, sampling options.
+
+Everything runs on one tiny fp32 qwen3 model on the CPU. Expected values are derived from the
+engine's own greedy run or from the Hugging Face model's logits, never hard-coded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.llm import LLM
+from runner.outputs import RequestOutput
+from runner.sampling_params import SamplingParams
+from runner.tiny_models import build_tiny_model, write_config_only_model
+
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_cpu_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("api_model") / "qwen3", "qwen3", seed=5)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, enable_prompt_embeds=True, dtype="float32", num_kv_blocks=128,
+               max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(10, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _assert_all_free(llm: LLM) -> None:
+    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.num_free_slots == llm.num_total_slots
+
+
+# ----------------------------------------------------------------------------- validation
+
+HIDDEN = 64
+BAD_EMBEDS = {
+    "1-D": lambda: {"prompt_embeds": torch.randn(HIDDEN)},
+    "3-D": lambda: {"prompt_embeds": torch.randn(1, 4, HIDDEN)},
+    "integer": lambda: {"prompt_embeds": torch.ones(4, HIDDEN, dtype=torch.int64)},
+    "wrong hidden": lambda: {"prompt_embeds": torch.randn(4, HIDDEN + 1)},
+    "NaN": lambda: {"prompt_embeds": torch.randn(4, HIDDEN).index_fill_(0, torch.tensor([2]), float("nan"))},
+    "Inf": lambda: {"prompt_embeds": torch.randn(4, HIDDEN).index_fill_(0, torch.tensor([1]), float("inf"))},
+    "too long": lambda: {"prompt_embeds": torch.randn(MAX_MODEL_LEN + 1, HIDDEN)},
+    "empty": lambda: {"prompt_embeds": torch.randn(0, HIDDEN)},
+    "mask length": lambda: {"prompt_embeds": torch.randn(4, HIDDEN),
+                            "prompt_is_token_ids": torch.tensor([True, False, False])},
+    "mask dtype": lambda: {"prompt_embeds": torch.randn(4, HIDDEN), "prompt_is_token_ids": torch.ones(4)},
+    "mask without ids": lambda: {"prompt_embeds": torch.randn(4, HIDDEN),
+                                 "prompt_is_token_ids": torch.tensor([True, False, False, False])},
+    "not a tensor": lambda: {"prompt_embeds": [[0.0] * HIDDEN]},
+    "token ids out of vocab": lambda: {"prompt_token_ids": [1, 10**7]},
+    "too many tokens": lambda: {"prompt_token_ids": [5] * (MAX_MODEL_LEN + 1)},
+    "empty token ids": lambda: {"prompt_token_ids": []},
+    "unknown key": lambda: {"prompt": "hi", "images": [1]},
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_EMBEDS))
+def test_bad_prompt_rejected_before_anything_is_scheduled(llm, kind):
+    steps = llm.num_steps
+    good = {"prompt_embeds": torch.randn(3, HIDDEN)}
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate([good, BAD_EMBEDS[kind](), good], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.num_steps == steps  # not even the valid prompt 0 ran
+    assert not llm.scheduler.has_unfinished()
+    _assert_all_free(llm)
+
+
+def test_embeds_rejected_without_enable_prompt_embeds(model_dir):
+    plain = LLM(model_dir, dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="enable_prompt_embeds"):
+        plain.generate([{"prompt_embeds": torch.randn(3, HIDDEN)}], use_tqdm=False)
+    assert plain.num_steps == 0
+
+
+def test_prompt_logprobs_rejected_for_embeds_prompts(llm):
+    steps = llm.num_steps
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate([{"prompt_token_ids": _ids(4)}, {"prompt_embeds": torch.randn(3, HIDDEN)}],
+                     SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    assert llm.num_steps == steps
+
+
+@pytest.mark.parametrize("kind", ["t5", "bamba", "qwen3_next", "bert"])
+def test_unsupported_model_kinds_fail_fast(tmp_path, kind):
+    path = write_config_only_model(tmp_path / kind, kind)
+    assert not any(path.glob("*.safetensors"))  # the check cannot have read weights: there are none
+    with pytest.raises(ValueError, match="prompt embeddings") as info:
+        LLM(path, enable_prompt_embeds=True)
+    model_type = __import__("json").loads((path / "config.json").read_text())["model_type"]
+    assert model_type in str(info.value)
+
+
+# ----------------------------------------------------------------------------- API shape
+
+def test_outputs_in_order_and_all_prompt_kinds(llm):
+    prompts = ["hello world", {"prompt": "abc"}, {"prompt_token_ids": _ids(9, 1)},
+               {"prompt_embeds": torch.randn(5, HIDDEN)}]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=True)
+    assert len(outs) == 4 and all(isinstance(o, RequestOutput) for o in outs)
+    assert outs[0].prompt == "hello world"
+    assert outs[0].prompt_token_ids == llm.get_tokenizer().encode("hello world")
+    assert outs[2].prompt_token_ids == _ids(9, 1)
+    assert outs[3].prompt_token_ids == [0] * 5
+    assert len({o.request_id for o in outs}) == 4
+    for o in outs:
+        assert o.finished and 1 <= len(o.outputs[0].token_ids) <= 3
+        assert o.outputs[0].finish_reason in ("stop", "length")
+    single = llm.generate("hello world", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    _assert_all_free(llm)
+
+
+def test_per_prompt_sampling_params(llm):
+    ids = _ids(6, 2)
+    outs = llm.generate([{"prompt_token_ids": ids}] * 2,
+                        [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                         SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+    assert outs[1].outputs[0].token_ids[:2] == outs[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="sampling params"):
+        llm.generate([{"prompt_token_ids": ids}] * 2, [SamplingParams()], use_tqdm=False)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def test_max_tokens_and_ignore_eos(llm):
+    ids = _ids(7, 3)
+    greedy = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert len(greedy.token_ids) == 6 and greedy.finish_reason == "length"
+
+    # Make the first greedy token the EOS: without ignore_eos the request stops right there.
+    saved = llm.eos_token_ids
+    llm.eos_token_ids = [greedy.token_ids[0]]
+    try:
+        stopped = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=6, temperature=0),
+                               use_tqdm=False)[0].outputs[0]
+        ignored = llm.generate({"prompt_token_ids": ids},
+                               SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.eos_token_ids = saved
+    assert stopped.token_ids == greedy.token_ids[:1] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == greedy.token_ids and ignored.finish_reason == "length"
+    _assert_all_free(llm)
+
+
+def test_stop_token_ids(llm):
+    ids = _ids(8, 4)
+    full = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = full[3]
+    first = full.index(stop_id)
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[: first + 1]  # the stop token is kept, like vLLM
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_stop_strings_trim_text(llm):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": _ids(5, 6)}
+    full = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    text = full.text
+    # A two-character stop string from the middle of the generated text.
+    candidates = [text[i : i + 2] for i in range(2, len(text) - 2)
+                  if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]]
+    assert candidates, f"generated text too short to pick a stop string from: {text!r}"
+    stop = candidates[len(candidates) // 2]
+    cut = text.index(stop)
+    out = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert len(out.token_ids) < len(full.token_ids)
+    _assert_all_free(llm)
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    ids = _ids(6, 7)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": ids}, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    # Same seed, other requests around it and at another batch position: the same tokens.
+    crowd = llm.generate(
+        [{"prompt_token_ids": _ids(11, 8)}, {"prompt_token_ids": ids}, {"prompt_token_ids": _ids(3, 9)}],
+        [SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True), seeded,
+         SamplingParams(max_tokens=8, temperature=0.7, seed=5, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    assert crowd[1].outputs[0].token_ids == alone
+    others = [
+        llm.generate({"prompt_token_ids": ids},
+                     SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True),
+                     use_tqdm=False)[0].outputs[0].token_ids
+        for s in (1, 2, 3)
+    ]
+    assert any(o != alone for o in others)  # the seed matters
+
+
+def test_sampled_logprobs_match_hf(llm, hf_model):
+    ids = _ids(10, 10)
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    seq = ids + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([seq])).logits[0].float(), dim=-1)
+    for step, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(ids) - 1 + step]
+        assert tok in entry and len(entry) >= 3
+        assert entry[tok] == pytest.approx(row[tok].item(), abs=1e-4)
+        top = row.topk(3)
+        for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+            assert entry[tid] == pytest.approx(lp, abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_prompt_logprobs_for_token_prompts_across_chunks(llm, hf_model):
+    ids = _ids(100, 11)  # longer than the 64-token step budget: computed over two chunks
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
+    assert out.prompt_logprobs[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for p in range(1, len(ids)):
+        assert out.prompt_logprobs[p][ids[p]] == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-4)
+    _assert_all_free(llm)
+
+
+def test_abort_frees_blocks_and_slots(llm):
+    from runner.request import Request
+
+    for i in range(3):
+        llm.scheduler.add_request(Request(f"abort-{i}", i, _ids(40, i), SamplingParams(max_tokens=4)))
+    out = llm.scheduler.schedule()  # admits the requests and gives them blocks and slots
+    assert out.num_reqs > 0 and llm.num_free_blocks < llm.num_total_blocks
+    for i in range(3):
+        llm.scheduler.abort_request(f"abort-{i}")
+    assert not llm.scheduler.has_unfinished()
+    _assert_all_free(llm)
