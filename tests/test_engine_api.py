@@ -148,8 +148,8 @@ def test_per_prompt_sampling_params(llm):
 
 def test_max_tokens_and_ignore_eos(llm):
     ids = _ids(7, 3)
-    greedy = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    greedy = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
     assert len(greedy.token_ids) == 6 and greedy.finish_reason == "length"
 
     # Make the first greedy token the EOS: without ignore_eos the request stops right there.
@@ -170,13 +170,12 @@ def test_max_tokens_and_ignore_eos(llm):
 
 def test_stop_token_ids(llm):
     ids = _ids(8, 4)
-    full = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    full = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
     stop_id = full[3]
     first = full.index(stop_id)
-    out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]),
-                       use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == full[: first + 1]  # the stop token is kept, like vLLM
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
 
