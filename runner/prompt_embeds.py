@@ -67,7 +67,7 @@ class PromptEmbedsState:
         self.dtype = dtype
         self.device = device
         self.use_triton = device.type == "cuda" if use_triton is None else bool(use_triton)
-        self._kernel_config = kernel_config
+        self.kernel_config = kernel_config
         self._launch = None
         if self.use_triton:
             # Imported lazily so TRITON_INTERPRET (read when kernels are decorated) can be set
@@ -251,7 +251,7 @@ class PromptEmbedsState:
             self._rows_addr,
             self._num_rows,
             self._mask_addr,
-            self._kernel_config,
+            self.kernel_config,
         )
 
     def _apply_torch(
