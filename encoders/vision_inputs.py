@@ -55,5 +55,15 @@ def _to_uint8(array: np.ndarray) -> np.ndarray:
 
 
 def image_hash_parts(item: Any) -> list[bytes]:
+    """Arrays and tensors hash their exact values (dtype, shape, bytes): converting them to 8-bit
+    pixels first would give two slightly different float images the same key. Everything else
+    hashes its decoded RGB pixels, so a path and the PIL image it holds share a key."""
+    if isinstance(item, (np.ndarray, torch.Tensor)):
+        if isinstance(item, torch.Tensor):
+            flat = item.detach().cpu().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy().tobytes()
+        else:
+            raw = np.ascontiguousarray(item).tobytes()
+        return [f"array|{item.dtype}|{tuple(item.shape)}".encode(), raw]
     image = load_image(item)
     return [b"%dx%d" % image.size, image.tobytes()]

@@ -129,7 +129,7 @@ class OpenClipTower(_ImageTower):
             path = Path(pretrained)
             if not path.is_file():
                 raise ValueError(f"open_clip tower: pretrained file {path} does not exist")
-            state = open_clip.load_state_dict(str(path))
+            state = open_clip.factory.load_state_dict(str(path))
             if any(k.startswith("visual.") for k in state):
                 state = {k[len("visual.") :]: v for k, v in state.items() if k.startswith("visual.")}
             load_state_dict_checked(visual, state, source=str(path))
