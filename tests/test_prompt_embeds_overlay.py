@@ -334,12 +334,14 @@ def test_cuda_graph_replay_serves_requests_added_after_capture():
     idx, qsl, nc = batch([3, 3], [0, 1], {0: 0, 1: 0}, max_num_reqs, device)
     out = torch.zeros(6, hidden, dtype=torch.bfloat16, device=device)
     graph = torch.cuda.CUDAGraph()
-    state.apply(out, idx, qsl, nc)  # warm-up (compiles; nothing live, so nothing launched)
+    state.add_request(0, "warm", torch.randn(2, hidden, device=device))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        state.apply(out, idx, qsl, nc)  # compile outside capture
+        state.apply(out, idx, qsl, nc)  # compiles the kernel outside the capture
     torch.cuda.current_stream().wait_stream(s)
+    state.remove_request("warm")
+    out.zero_()
     with torch.cuda.graph(graph):
         state.apply(out, idx, qsl, nc)  # no live embeds yet, but capture still records the launch
     e = torch.randn(5, hidden, device=device)
