@@ -24,7 +24,12 @@ the overlay, which is the normal single-stream runner set-up.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from runner.overlay_kernel import OverlayConfig
 
 __all__ = ["PromptEmbedsState"]
 
@@ -51,7 +56,7 @@ class PromptEmbedsState:
         device: torch.device | str,
         *,
         use_triton: bool | None = None,
-        kernel_config=None,
+        kernel_config: OverlayConfig | None = None,
     ) -> None:
         if not isinstance(max_num_reqs, int) or max_num_reqs <= 0:
             raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
