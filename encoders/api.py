@@ -17,12 +17,13 @@ Training::
 
 Registered towers (``TOWERS``): image: "open_clip", "hf_vision", "conv"; audio: "conformer", "wav2vec2",
 "whisper_hf"; graph: "gcn", "gin", "gat". Projectors (``PROJECTORS``): "identity", "linear", "mlp",
-"stack_swiglu", "perceiver". See each class docstring for its config keys.
+"stack_swiglu", "perceiver". Preprocessors (``PREPROCESSORS``): "log_mel". See each class docstring for
+its config keys.
 """
 
 from encoders.audio_inputs import load_audio, load_wav, save_wav
 from encoders.checkpoint import describe_mismatch, load_encoder, load_state_dict_checked, save_encoder
-from encoders.encoder import Encoder, build_encoder, build_projector, build_tower
+from encoders.encoder import Encoder, build_encoder, build_preprocessor, build_projector, build_tower
 from encoders.graph_format import Graph, graph_from_dict, graph_to_dict, load_graph_json, save_graph_json
 from encoders.hashing import content_hash
 from encoders.parts import Projector, Tower
@@ -47,6 +48,7 @@ __all__ = [
     "Projector",
     "Tower",
     "build_encoder",
+    "build_preprocessor",
     "build_projector",
     "build_tower",
     "content_hash",

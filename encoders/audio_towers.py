@@ -24,15 +24,22 @@ from encoders.audio_inputs import num_samples as _num_samples
 from encoders.checkpoint import load_state_dict_checked
 from encoders.parts import Tower, check_keys, lengths_mask
 from encoders.projectors import stack_frames
-from encoders.registry import register_tower
+from encoders.registry import register_preprocessor, register_tower
 
 
+@register_preprocessor("log_mel")
 class LogMel:
     """Waveform ``(samples,)`` -> log-mel features ``(frames, n_mels)``; frames = samples // hop + 1.
 
     Deliberately not an ``nn.Module``: its filterbank is derived from the config, so it stays out
     of checkpoints, and it runs on the CPU inside data-loader workers.
+    Config keys (``from_config``): sample_rate 16000, n_mels 80, n_fft 400, hop_length 160.
     """
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> LogMel:
+        check_keys(cfg, {"sample_rate", "n_mels", "n_fft", "hop_length"}, "preprocessor 'log_mel'")
+        return cls(**cfg)
 
     def __init__(self, sample_rate: int = 16000, n_mels: int = 80, n_fft: int = 400, hop_length: int = 160):
         import torchaudio

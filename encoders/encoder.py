@@ -17,7 +17,7 @@ from torch import nn
 
 from encoders.hashing import content_hash as _content_hash
 from encoders.parts import Batch, Projector, Tower, check_keys, move_batch
-from encoders.registry import PROJECTORS, TOWERS, lookup, require_name
+from encoders.registry import PREPROCESSORS, PROJECTORS, TOWERS, lookup, require_name
 
 MODALITIES = ("image", "audio", "graph")
 ENCODER_KEYS = {
@@ -42,6 +42,14 @@ def build_projector(cfg: dict, in_dim: int, out_dim: int) -> Projector:
     name = require_name(cfg, "projector")
     return lookup(PROJECTORS, "projector", name).from_config(
         {k: v for k, v in cfg.items() if k != "name"}, int(in_dim), int(out_dim)
+    )
+
+
+def build_preprocessor(cfg: dict) -> Any:
+    """Build a stand-alone preprocessor (e.g. ``{"name": "log_mel", "n_mels": 80}``) for data pipelines."""
+    name = require_name(cfg, "preprocessor")
+    return lookup(PREPROCESSORS, "preprocessor", name).from_config(
+        {k: v for k, v in cfg.items() if k != "name"}
     )
 
 

@@ -51,14 +51,20 @@ class AttentionReadout(nn.Module):
     """k learned queries cross-attend over a graph's nodes -> (B, k, dim); permutation invariant.
 
     With ``size_features`` the tokens also receive log(1 + nodes) and log(1 + edges) through a linear
-    map: attention pooling is a weighted mean, which alone cannot count.
+    map: attention pooling is a weighted mean, which alone cannot count. With ``count_embedding`` = C
+    they also receive a learned embedding of the node count (clamped at C): exact sizes, for tasks
+    that ask "how many nodes" within a known range.
     """
 
-    def __init__(self, dim: int, tokens: int, heads: int, size_features: bool = True):
+    def __init__(
+        self, dim: int, tokens: int, heads: int, size_features: bool = True, count_embedding: int = 0
+    ):
         super().__init__()
         self.queries = nn.Parameter(torch.randn(tokens, dim) * 0.02)
         self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
         self.size = nn.Linear(2, dim) if size_features else None
+        self.max_count = int(count_embedding)
+        self.count = nn.Embedding(self.max_count + 1, dim) if count_embedding else None
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, x, batch, sizes, num_edges):
@@ -68,6 +74,8 @@ class AttentionReadout(nn.Module):
         if self.size is not None:
             counts = torch.stack([sizes, num_edges], dim=-1).to(out.dtype)
             out = out + self.size(torch.log1p(counts)).unsqueeze(1)
+        if self.count is not None:
+            out = out + self.count(sizes.clamp_max(self.max_count)).unsqueeze(1)
         return self.norm(out)
 
 
@@ -77,7 +85,8 @@ class GraphTower(Tower):
     Config keys (defaults): dim 64, num_layers 3, node_feature_dim 0 (width of the graphs'
     node_features; 0 = graphs carry none), edge_feature_dim 0, use_degree True (a learned embedding of
     each node's degree, clamped at max_degree 32, added to the node input: featureless graphs need
-    it), heads 4 (GAT), readout_tokens 4, readout_heads 4, size_features True, dropout 0.0.
+    it), heads 4 (GAT), readout_tokens 4, readout_heads 4, size_features True, count_embedding 0
+    (C > 0: a learned embedding of the node count, clamped at C, added to the tokens), dropout 0.0.
     Rows per graph: readout_tokens.
     """
 
@@ -94,6 +103,7 @@ class GraphTower(Tower):
         "readout_tokens",
         "readout_heads",
         "size_features",
+        "count_embedding",
         "dropout",
     }
 
@@ -109,6 +119,7 @@ class GraphTower(Tower):
         readout_tokens: int = 4,
         readout_heads: int = 4,
         size_features: bool = True,
+        count_embedding: int = 0,
         dropout: float = 0.0,
     ):
         super().__init__()
@@ -130,7 +141,7 @@ class GraphTower(Tower):
         )
         self.norms = nn.ModuleList([nn.LayerNorm(dim) for _ in range(num_layers)])
         self.dropout = float(dropout)
-        self.readout = AttentionReadout(dim, readout_tokens, readout_heads, size_features)
+        self.readout = AttentionReadout(dim, readout_tokens, readout_heads, size_features, count_embedding)
         self.out_dim = int(dim)
 
     @classmethod

@@ -33,8 +33,9 @@ _TINY = {
     },
     "graph": {
         "modality": "graph",
-        # 3 GIN layers of width 64 over degree embeddings, read out as 4 tokens by attention pooling.
-        "tower": {"name": "gin", "dim": 64, "num_layers": 3, "readout_tokens": 4},
+        # 3 GIN layers of width 64 over degree embeddings, read out as 4 tokens by attention pooling;
+        # node counts up to 32 get their own embedding (demo captions state the graph's size).
+        "tower": {"name": "gin", "dim": 64, "num_layers": 3, "readout_tokens": 4, "count_embedding": 32},
         "projector": {"name": "mlp", "num_layers": 2},
     },
 }

@@ -13,6 +13,7 @@ from encoders.api import (
     TOWERS,
     Encoder,
     build_encoder,
+    build_preprocessor,
     build_projector,
     build_tower,
     content_hash,
@@ -58,6 +59,13 @@ def test_registries_list_builtin_parts():
         "gat",
     } <= set(TOWERS)
     assert {"identity", "linear", "mlp", "stack_swiglu", "perceiver"} <= set(PROJECTORS)
+
+
+def test_preprocessor_registry():
+    mel = build_preprocessor({"name": "log_mel", "n_mels": 20, "hop_length": 100})
+    assert mel(torch.randn(1000)).shape == (11, 20)
+    with pytest.raises(ValueError, match="valid preprocessor names: log_mel"):
+        build_preprocessor({"name": "fbank"})
 
 
 def test_unknown_names_list_valid_ones():

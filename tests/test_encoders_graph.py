@@ -159,3 +159,13 @@ def test_graph_encoder_directed_and_featureless():
     outs = enc.encode([path, dict(path, directed=True), Graph(1, torch.zeros(2, 0, dtype=torch.long))])
     assert [o.shape for o in outs] == [(3, HIDDEN)] * 3 == [(enc.num_rows(path), HIDDEN)] * 3
     assert not torch.allclose(outs[0], outs[1])  # direction matters for a directed graph
+
+
+def test_count_embedding_separates_sizes_within_range():
+    torch.manual_seed(0)
+    tower = build_tower({"name": "gin", "dim": 16, "readout_tokens": 1, "count_embedding": 8}).eval()
+    cycles = [{"num_nodes": n, "edges": [[i, (i + 1) % n] for i in range(n)]} for n in (5, 6, 9, 10)]
+    with torch.no_grad():
+        out, _ = tower(tower.collate([tower.preprocess(c) for c in cycles]))
+    assert not torch.allclose(out[0], out[1], atol=1e-4)
+    assert tower.readout.count.num_embeddings == 9  # counts 0..8, larger ones clamp to 8
