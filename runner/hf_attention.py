@@ -12,40 +12,24 @@ from __future__ import annotations
 
 import torch
 
-from runner.attention_metadata import AttentionMetadata, get_forward_context
+from runner.attention_metadata import get_forward_context
+from runner.paged_attention import Backend, paged_attention, write_kv
 
 ATTN_IMPLEMENTATION = "bridge_paged"
 
-try:  # the Triton/torch backends of the paged-attention module
-    from runner.paged_attention import paged_attention, write_kv
-except ImportError:  # pragma: no cover - only until runner/paged_attention.py lands
+_backend: Backend = "auto"
 
-    def write_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid]
-        bs = key_cache.shape[1]
-        key_cache[slots // bs, slots % bs] = key[valid].to(key_cache.dtype)
-        value_cache[slots // bs, slots % bs] = value[valid].to(value_cache.dtype)
 
-    def paged_attention(query, key_cache, value_cache, meta: AttentionMetadata, scale, out=None):
-        num_heads, bs = query.shape[1], key_cache.shape[1]
-        out = torch.empty_like(query) if out is None else out
-        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        for b in range(meta.num_reqs):
-            q = query[qsl[b] : qsl[b + 1]]
-            q_len, seq_len = q.shape[0], seq_lens[b]
-            blocks = meta.block_tables[b, : -(-seq_len // bs)].long()
-            k = key_cache[blocks].flatten(0, 1)[:seq_len]
-            v = value_cache[blocks].flatten(0, 1)[:seq_len]
-            rep = num_heads // k.shape[1]
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-                attn_mask=mask, scale=scale,
-            )
-            out[qsl[b] : qsl[b + 1]] = o.transpose(0, 1)
-        return out
+def set_attention_backend(backend: Backend) -> Backend:
+    """Pick the paged-attention backend ("auto": Triton on CUDA, torch on CPU); returns the previous one.
+
+    Tests use "triton" on the CPU (under TRITON_INTERPRET=1) to run the GPU kernels inside the engine.
+    """
+    global _backend
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {backend!r}; use 'auto', 'torch' or 'triton'")
+    previous, _backend = _backend, backend
+    return previous
 
 
 def bridge_paged_attention(
@@ -72,10 +56,10 @@ def bridge_paged_attention(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+    write_kv(k, v, key_cache, value_cache, meta.slot_mapping, backend=_backend)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = paged_attention(q, key_cache, value_cache, meta, scaling)
+    out = paged_attention(q, key_cache, value_cache, meta, scaling, backend=_backend)
     return out.unsqueeze(0), None
 
 

@@ -439,42 +439,66 @@ class ModelRunner:
         return out
 
     # ----------------------------------------------------------------------------- CUDA graphs
+    def _decode_graph_body(self, b: int):
+        """The work a decode graph of bucket `b` replays, on the fixed views of that bucket."""
+        st = self.staging
+        v = st.views(st.dev64, st.dev32, b, b, self.max_blocks_per_req, 0)
+        v.input_ids.zero_()
+        v.positions.zero_()
+        v.slot_mapping.fill_(-1)
+        v.query_start_loc.copy_(torch.arange(b + 1, dtype=torch.int32))
+        v.seq_lens.zero_()
+        v.block_tables.zero_()
+        meta = AttentionMetadata(v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
+                                 max_query_len=1, max_seq_len=self.max_model_len, num_reqs=b,
+                                 is_decode_only=True)
+        embeds = self.embeds_builder.dummy_inputs_embeds(b)
+
+        def body() -> None:
+            self.graph_logits[:b].copy_(self._forward(embeds, v.positions, meta, None))
+
+        return body
+
     @torch.inference_mode()
-    def capture_cuda_graphs(self) -> None:
+    def capture_cuda_graphs(self, *, emulate: bool = False) -> None:
         """Capture decode-only steps for each batch-size bucket, largest first (one shared memory pool).
 
         The graph covers the decoder and the LM head; its input is the persistent inputs_embeds
         buffer (`dummy_inputs_embeds`), so the assembly (token lookup, prompt-embeds overlay) runs
-        eagerly right before each replay and no encoder ever runs at capture.
+        eagerly right before each replay and no encoder ever runs at capture. Padding rows of a
+        bucket write no KV (slot -1) and attend to nothing (seq_len 0).
+
+        `emulate=True` (tests, CPU): no capture; "replay" runs the same body eagerly on the same
+        fixed views, which exercises the bucket, padding and fixed-offset logic without a GPU.
         """
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and not emulate:
             return
         self.graph_sizes = cuda_graph_batch_sizes(min(self.max_num_seqs, self.max_num_batched_tokens))
-        max_bs = self.graph_sizes[-1]
-        self.graph_logits = torch.zeros(max_bs, self.vocab_size, dtype=torch.float32, device=self.device)
-        st = self.staging
-        w = self.max_blocks_per_req
+        self.graph_logits = torch.zeros(self.graph_sizes[-1], self.vocab_size, dtype=torch.float32,
+                                        device=self.device)
+        if emulate:
+            self.graphs = {b: _EagerReplay(self._decode_graph_body(b)) for b in self.graph_sizes}
+            return
         pool = None
         for b in reversed(self.graph_sizes):
-            v = st.views(st.dev64, st.dev32, b, b, w, 0)
-            v.input_ids.zero_()
-            v.positions.zero_()
-            v.slot_mapping.fill_(-1)
-            v.query_start_loc.copy_(torch.arange(b + 1, device=self.device, dtype=torch.int32))
-            v.seq_lens.zero_()
-            v.block_tables.zero_()
-            meta = AttentionMetadata(v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
-                                     max_query_len=1, max_seq_len=self.max_model_len, num_reqs=b,
-                                     is_decode_only=True)
-            embeds = self.embeds_builder.dummy_inputs_embeds(b)
+            body = self._decode_graph_body(b)
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                self.graph_logits[:b].copy_(self._forward(embeds, v.positions, meta, None))
+                body()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.graph_logits[:b].copy_(self._forward(embeds, v.positions, meta, None))
+                body()
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
         logger.info("captured %d CUDA graphs for decode batch sizes %s", len(self.graphs), self.graph_sizes)
 
+
+class _EagerReplay:
+    """Stands in for a CUDA graph where none can be captured: replay runs the body eagerly."""
+
+    def __init__(self, body) -> None:
+        self.body = body
+
+    def replay(self) -> None:
+        self.body()

@@ -83,7 +83,8 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_token_and_embeds_paths_match_hf(family, config_name, model_dirs, hf_reference):
     model, prompts, expected = hf_reference[family]
-    llm = LLM(model_dirs[family], enable_prompt_embeds=True, dtype="float32", **CONFIGS[config_name])
+    llm = LLM(model_dirs[family], enable_prompt_embeds=True, dtype="float32", device="cpu",
+              **CONFIGS[config_name])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     _assert_all_free(llm)
@@ -105,7 +106,7 @@ def test_greedy_token_and_embeds_paths_match_hf(family, config_name, model_dirs,
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mixed_batch_text_ids_and_embeds(family, model_dirs, hf_reference):
     model, prompts, expected = hf_reference[family]
-    llm = LLM(model_dirs[family], enable_prompt_embeds=True, dtype="float32", num_kv_blocks=256,
+    llm = LLM(model_dirs[family], enable_prompt_embeds=True, dtype="float32", device="cpu", num_kv_blocks=256,
               max_num_batched_tokens=24)
     tok = llm.get_tokenizer()
     text = "the quick brown fox jumps"
@@ -137,7 +138,7 @@ def test_mixed_batch_text_ids_and_embeds(family, model_dirs, hf_reference):
 def test_slot_reuse_never_serves_previous_embeds(model_dirs, hf_reference):
     """One slot, many requests in turn: each embeds request must see only its own rows."""
     model, prompts, expected = hf_reference["qwen3"]
-    llm = LLM(model_dirs["qwen3"], enable_prompt_embeds=True, dtype="float32", num_kv_blocks=64,
+    llm = LLM(model_dirs["qwen3"], enable_prompt_embeds=True, dtype="float32", device="cpu", num_kv_blocks=64,
               max_num_seqs=1)
     batch = [{"prompt_embeds": _embeds_of(model, p)} if i % 2 else {"prompt_token_ids": p}
              for i, p in enumerate(prompts[:5])]
@@ -158,3 +159,31 @@ def test_cuda_graphs_match_eager_and_hf(family, model_dirs, hf_reference):
     out_graph = [o.outputs[0].token_ids for o in graphed.generate(batch, GREEDY, use_tqdm=False)]
     assert graphed.runner.num_graph_replays > 0
     assert out_graph == out_eager == expected
+
+
+def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_reference):
+    """The GPU code path on the CPU: padded decode buckets on fixed buffer offsets (CUDA graphs
+    emulated by eager replays of the same body) and the Triton attention kernels under
+    TRITON_INTERPRET, with chunked prefill over a paged prefix and prompt embeddings."""
+    from runner.hf_attention import set_attention_backend
+
+    model, prompts, expected = hf_reference["qwen3"]
+    llm = LLM(model_dirs["qwen3"], enable_prompt_embeds=True, dtype="float32", device="cpu",
+              num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=8)
+    llm.runner.capture_cuda_graphs(emulate=True)
+    picks = [0, 2, 4, 5, 1]  # five requests: decode steps run in the padded bucket of 8
+    batch = [{"prompt_embeds": _embeds_of(model, prompts[i])} if i % 2 else {"prompt_token_ids": prompts[i]}
+             for i in picks]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    eager = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert eager == [expected[i][:6] for i in picks]
+    assert llm.runner.num_graph_replays > 0
+    previous = set_attention_backend("triton")
+    try:
+        replays = llm.runner.num_graph_replays
+        triton = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    finally:
+        set_attention_backend(previous)
+    assert triton == eager
+    assert llm.runner.num_graph_replays > replays
+    _assert_all_free(llm)

@@ -1,0 +1,338 @@
+"""Generation throughput: Bridge's engine vs Hugging Face `generate`, and vs the hardware roofline.
+
+One command, GPU (about 5 minutes on an H200):
+
+    python benchmarks/generate.py [--out results.json] [--model-dir /tmp/bridge_qwen3_06b]
+
+W1: a Qwen3-0.6B-shaped model (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128,
+    intermediate 3072, vocab 151936, tied embeddings), random bf16 weights; 64 requests of 512
+    prompt-embeds rows, 128 output tokens each, greedy, ignore_eos. Bridge on the embeds path and on
+    the token-id path (same ids, whose embeddings are the embeds), Hugging Face
+    `generate(inputs_embeds=...)` (batch 64, sdpa), and the roofline.
+W2: 256 requests, prompt and output lengths uniform in [100, 1024], prompt embeds, ignore_eos.
+    Hugging Face runs a 32-request subset as one left-padded batch generating to the subset's
+    longest output; its tok/s counts only the tokens the requests asked for.
+
+Roofline: every decode step reads all weights once and the KV of every live request at the measured
+device-to-device copy bandwidth (read + write bytes over time); prefill runs its FLOPs (linear layers
+plus causal attention) at the measured bf16 matmul rate. Requests run perfectly batched.
+
+`--cpu`: a tiny model (hidden 64, 2 layers), 32 requests, Bridge vs Hugging Face generate (no targets).
+
+Writes JSON to `--out`, else `$OUT/generate_benchmark.json` when `$OUT` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from runner.llm import LLM  # noqa: E402
+from runner.sampling_params import SamplingParams  # noqa: E402
+from runner.tiny_models import build_tiny_model  # noqa: E402
+
+QWEN3_06B = dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                 intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                 max_position_embeddings=40960)
+TARGET_VS_HF = 8.0
+TARGET_VS_ROOFLINE = 0.40
+TARGET_EMBEDS_VS_IDS = 0.95
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------ hardware
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Bytes moved per second by a device-to-device copy, counting the read and the write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * iters / (time.perf_counter() - t0)
+
+
+def measure_matmul_rate(device: torch.device, n: int = 8192, iters: int = 20) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - t0)
+
+
+def roofline_tok_s(config, weight_bytes: int, prompt_lens: list[int], output_lens: list[int],
+                   bandwidth: float, matmul_rate: float) -> dict:
+    """Ideal time: decode steps at copy bandwidth (weights + live KV), prefill FLOPs at matmul rate."""
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
+    # Non-embedding parameters (the LM head runs for one row per request: negligible).
+    embed_params = config.vocab_size * config.hidden_size
+    linear_params = weight_bytes // 2 - embed_params
+    prefill_flops = sum(2 * linear_params * n + 2 * layers * heads * head_dim * n * n for n in prompt_lens)
+    # Decode step s (s >= 1) runs every request that still needs its (s+1)-th token.
+    decode_bytes = 0
+    for s in range(1, max(output_lens)):
+        live = [p + s for p, o in zip(prompt_lens, output_lens) if o > s]
+        if live:
+            decode_bytes += weight_bytes + kv_bytes_per_token * sum(live)
+    t = decode_bytes / bandwidth + prefill_flops / matmul_rate
+    return {"tok_s": sum(output_lens) / t, "seconds": t, "decode_bytes": decode_bytes,
+            "prefill_flops": prefill_flops}
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+def run_bridge(llm: LLM, prompts: list[dict], output_lens: list[int], device: torch.device) -> dict:
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in output_lens]
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync(device)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(output_lens), "ignore_eos run produced fewer tokens than asked"
+    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    return {"tok_s": n_out / dt, "seconds": dt, "output_tokens": n_out,
+            "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def run_hf_generate(model, embeds: list[torch.Tensor], output_lens: list[int], device: torch.device,
+                    batch_size: int) -> dict:
+    """HF `generate(inputs_embeds=...)`, left-padded batches; counts only the tokens asked for."""
+    hidden = embeds[0].shape[1]
+    t_total, useful = 0.0, 0
+    for start in range(0, len(embeds), batch_size):
+        chunk = embeds[start : start + batch_size]
+        outs = output_lens[start : start + batch_size]
+        width = max(e.shape[0] for e in chunk)
+        x = torch.zeros(len(chunk), width, hidden, dtype=chunk[0].dtype, device=device)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long, device=device)
+        for i, e in enumerate(chunk):
+            x[i, width - e.shape[0] :] = e
+            mask[i, width - e.shape[0] :] = 1
+        new = max(outs)
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(inputs_embeds=x, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False)
+        sync(device)
+        t_total += time.perf_counter() - t0
+        useful += sum(outs)
+    return {"tok_s": useful / t_total, "seconds": t_total, "output_tokens": useful}
+
+
+def token_match(a: list[list[int]], b: list[list[int]]) -> float:
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    return same / max(1, sum(len(r) for r in a))
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def build_model(path: pathlib.Path, cpu: bool) -> pathlib.Path:
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        log(f"reusing model directory {path}")
+        return path
+    log(f"building model directory {path}")
+    if cpu:
+        return build_tiny_model(path, "qwen3", seed=0, max_position_embeddings=4096)
+    return build_tiny_model(path, "qwen3", seed=0, dtype=torch.bfloat16, **QWEN3_06B)
+
+
+def workload(n: int, lo: int, hi: int, out_lo: int, out_hi: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompt_lens = [rng.randint(lo, hi) for _ in range(n)]
+    output_lens = [rng.randint(out_lo, out_hi) for _ in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(10, vocab, (p,), generator=g).tolist() for p in prompt_lens]
+    return ids, prompt_lens, output_lens
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU, 32 requests, no targets")
+    ap.add_argument("--out", default=None, help="JSON output path (default: $OUT/generate_benchmark.json)")
+    ap.add_argument("--model-dir", default=None, help="where to build (or reuse) the model directory")
+    ap.add_argument("--skip-w2", action="store_true")
+    ap.add_argument("--hf-w2-subset", type=int, default=32)
+    args = ap.parse_args()
+
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.cpu:
+        log("no CUDA device: running the --cpu benchmark")
+        args.cpu = True
+    model_dir = pathlib.Path(args.model_dir or tempfile.gettempdir()) / (
+        "bridge_bench_tiny" if args.cpu else "bridge_bench_qwen3_06b")
+    if args.model_dir:
+        model_dir = pathlib.Path(args.model_dir)
+    build_model(model_dir, args.cpu)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    vocab = config.vocab_size
+    results: dict = {
+        "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else platform.processor() or "cpu"),
+        "torch": torch.__version__,
+        "model": "qwen3 tiny" if args.cpu else "Qwen3-0.6B-shaped (random bf16)",
+        "workloads": {},
+    }
+    if args.cpu:
+        specs = {"CPU": workload(32, 16, 96, 32, 32, vocab, seed=1)}
+    else:
+        specs = {"W1": workload(64, 512, 512, 128, 128, vocab, seed=1)}
+        if not args.skip_w2:
+            specs["W2"] = workload(256, 100, 1024, 100, 1024, vocab, seed=2)
+
+    if not args.cpu:
+        log("measuring copy bandwidth and matmul rate")
+        results["copy_bandwidth_Bps"] = measure_copy_bandwidth(device)
+        results["bf16_matmul_flops"] = measure_matmul_rate(device)
+        log(f"  copy {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+            f"matmul {results['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
+
+    # --- Hugging Face first, then freed, so that Bridge's KV cache can take the memory.
+    log("Hugging Face generate")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    hf = hf.to(device).eval()
+    embed = hf.get_input_embeddings()
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    embeds_of = {}
+    for name, (ids, _, _) in specs.items():
+        with torch.no_grad():
+            embeds_of[name] = [embed(torch.tensor(i, device=device)).detach() for i in ids]
+    with torch.no_grad():  # warm-up
+        first = embeds_of[next(iter(specs))][0]
+        hf.generate(inputs_embeds=first[None, :16], max_new_tokens=4, do_sample=False)
+    hf_results = {}
+    for name, (ids, _, output_lens) in specs.items():
+        n = len(ids) if name != "W2" else min(args.hf_w2_subset, len(ids))
+        batch = len(ids) if name != "W2" else n
+        hf_results[name] = run_hf_generate(hf, embeds_of[name][:n], output_lens[:n], device, batch)
+        hf_results[name]["requests"] = n
+        log(f"  {name}: {hf_results[name]['tok_s']:.0f} tok/s ({n} requests)")
+    del hf, embed
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # --- Bridge
+    log("Bridge: building the engine (weights, KV cache, CUDA graphs)")
+    t0 = time.perf_counter()
+    max_len = max(p + o for _, (_, pl, ol) in specs.items() for p, o in zip(pl, ol))
+    llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device,
+              max_num_seqs=32 if args.cpu else 256, max_num_batched_tokens=2048 if args.cpu else 16384,
+              max_model_len=max_len + 16, gpu_memory_utilization=0.85)
+    results["bridge_init_seconds"] = time.perf_counter() - t0
+    results["kv_blocks"] = llm.num_total_blocks
+    log(f"  ready in {results['bridge_init_seconds']:.1f}s, {llm.num_total_blocks} KV blocks")
+
+    for name, (ids, prompt_lens, output_lens) in specs.items():
+        embeds_prompts = [{"prompt_embeds": e} for e in embeds_of[name]]
+        id_prompts = [{"prompt_token_ids": i} for i in ids]
+        # Warm-up (Triton specialisations, allocator): a shortened copy of the workload.
+        run_bridge(llm, embeds_prompts[:48], [min(o, 16) for o in output_lens[:48]], device)
+        run_bridge(llm, id_prompts[:48], [min(o, 16) for o in output_lens[:48]], device)
+        log(f"{name}: Bridge embeds path")
+        emb = run_bridge(llm, embeds_prompts, output_lens, device)
+        log(f"  {emb['tok_s']:.0f} tok/s in {emb['seconds']:.2f}s")
+        log(f"{name}: Bridge token-id path")
+        tok = run_bridge(llm, id_prompts, output_lens, device)
+        log(f"  {tok['tok_s']:.0f} tok/s in {tok['seconds']:.2f}s")
+        entry = {
+            "requests": len(ids), "prompt_tokens": sum(prompt_lens), "output_tokens": sum(output_lens),
+            "bridge_embeds_tok_s": emb["tok_s"], "bridge_token_ids_tok_s": tok["tok_s"],
+            "bridge_embeds_seconds": emb["seconds"], "bridge_token_ids_seconds": tok["seconds"],
+            "embeds_vs_token_ids_token_match": token_match(emb["tokens"], tok["tokens"]),
+            "hf_tok_s": hf_results[name]["tok_s"], "hf_requests": hf_results[name]["requests"],
+            "embeds_over_hf": emb["tok_s"] / hf_results[name]["tok_s"],
+            "embeds_over_token_ids": emb["tok_s"] / tok["tok_s"],
+        }
+        if name == "W2":
+            entry["hf_note"] = (
+                f"HF ran the first {hf_results[name]['requests']} requests as one left-padded batch "
+                "generating to the subset's longest output (min_new_tokens = max_new_tokens); its tok/s "
+                "counts only the tokens those requests asked for")
+        if not args.cpu:
+            roof = roofline_tok_s(config, weight_bytes, prompt_lens, output_lens,
+                                  results["copy_bandwidth_Bps"], results["bf16_matmul_flops"])
+            entry["roofline_tok_s"] = roof["tok_s"]
+            entry["roofline_seconds"] = roof["seconds"]
+            entry["embeds_over_roofline"] = emb["tok_s"] / roof["tok_s"]
+            entry["pass"] = {
+                f"embeds >= {TARGET_VS_HF}x HF": entry["embeds_over_hf"] >= TARGET_VS_HF,
+                f"embeds >= {TARGET_VS_ROOFLINE:.0%} roofline":
+                    entry["embeds_over_roofline"] >= TARGET_VS_ROOFLINE,
+                f"embeds >= {TARGET_EMBEDS_VS_IDS}x token ids":
+                    entry["embeds_over_token_ids"] >= TARGET_EMBEDS_VS_IDS,
+            }
+        results["workloads"][name] = entry
+    results["cuda_graph_replays"] = llm.runner.num_graph_replays
+
+    # --- summary
+    print()
+    print(f"Device: {results['device']}   model: {results['model']}")
+    if not args.cpu:
+        print(f"copy bandwidth {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+              f"bf16 matmul {results['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
+    header = f"{'workload':<9}{'embeds tok/s':>14}{'ids tok/s':>12}{'HF tok/s':>11}{'roofline':>11}" \
+             f"{'x HF':>8}{'% roof':>9}{'emb/ids':>9}{'match':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, e in results["workloads"].items():
+        roof = e.get("roofline_tok_s")
+        roof_s = f"{roof:.0f}" if roof else "-"
+        pct_s = f"{e['embeds_over_roofline']:.0%}" if roof else "-"
+        print(f"{name:<9}{e['bridge_embeds_tok_s']:>14.0f}{e['bridge_token_ids_tok_s']:>12.0f}"
+              f"{e['hf_tok_s']:>11.0f}{roof_s:>11}{e['embeds_over_hf']:>8.1f}{pct_s:>9}"
+              f"{e['embeds_over_token_ids']:>9.2f}{e['embeds_vs_token_ids_token_match']:>8.0%}")
+    for name, e in results["workloads"].items():
+        for target, ok in e.get("pass", {}).items():
+            print(f"{name}: {target}: {'PASS' if ok else 'FAIL'}")
+        if "hf_note" in e:
+            print(f"{name}: {e['hf_note']}")
+
+    out = args.out
+    if out is None and os.environ.get("OUT"):
+        out = os.path.join(os.environ["OUT"], "generate_benchmark.json")
+    if out:
+        pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(out).write_text(json.dumps(results, indent=2))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
