@@ -204,25 +204,53 @@ class Encoder(nn.Module):
         batch["_pieces_per_item"] = [len(pieces) for pieces in processed]
         return batch
 
-    def forward_padded(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tower + projector over all pieces: ``(P, T, hidden)`` and lengths (None = all T)."""
+    def tower_features(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tower only, over all pieces: ``(P, T, tower.out_dim)`` and lengths (None = all T)."""
         tensors = move_batch(
             {k: v for k, v in batch.items() if k != "_pieces_per_item"}, self.device, self.dtype
         )
-        feats, lengths = self.tower(tensors)
-        return self.projector(feats, lengths)
+        return self.tower(tensors)
 
-    def forward(self, batch: Batch) -> list[torch.Tensor]:
-        """Differentiable: one ``(n_i, hidden)`` tensor per item of the batch."""
-        out, lengths = self.forward_padded(batch)
+    def forward_padded(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tower + projector over all pieces: ``(P, T, hidden)`` and lengths (None = all T)."""
+        return self.projector(*self.tower_features(batch))
+
+    @staticmethod
+    def _split(
+        out: torch.Tensor, lengths: torch.Tensor | None, counts: list[int] | None
+    ) -> list[torch.Tensor]:
         rows = [out[i] if lengths is None else out[i, : int(lengths[i])] for i in range(out.shape[0])]
-        counts = batch.get("_pieces_per_item") or [1] * len(rows)
         result, start = [], 0
-        for count in counts:
+        for count in counts or [1] * len(rows):
             group = rows[start : start + count]
             result.append(group[0] if count == 1 else torch.cat(group, dim=0))
             start += count
         return result
+
+    def forward(self, batch: Batch) -> list[torch.Tensor]:
+        """Differentiable: one ``(n_i, hidden)`` tensor per item of the batch."""
+        out, lengths = self.forward_padded(batch)
+        return self._split(out, lengths, batch.get("_pieces_per_item"))
+
+    # frozen-tower caching: tower rows once per item, then only the projector each step
+    def tower_rows(self, batch: Batch) -> list[torch.Tensor]:
+        """Per-item tower features ``(t_i, tower.out_dim)`` (not for streaming encoders, whose
+        projector must see each chunk separately). With a frozen tower a trainer may cache these
+        by ``content_hash`` and call ``project_rows`` every step."""
+        if self.is_realtime:
+            raise ValueError("tower_rows/project_rows are not available for streaming (realtime) encoders")
+        feats, lengths = self.tower_features(batch)
+        return self._split(feats, lengths, None)
+
+    def project_rows(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Projector over per-item tower features (from ``tower_rows``) -> ``(n_i, hidden)`` each."""
+        if self.is_realtime:
+            raise ValueError("tower_rows/project_rows are not available for streaming (realtime) encoders")
+        if not rows:
+            return []
+        feats = torch.nn.utils.rnn.pad_sequence([r.to(self.device) for r in rows], batch_first=True)
+        lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.long, device=self.device)
+        return self._split(*self.projector(feats, lengths), None)
 
     def embed(self, items: list[Any]) -> list[torch.Tensor]:
         """Differentiable end to end from raw items (preprocess + collate + forward)."""

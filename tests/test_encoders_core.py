@@ -195,6 +195,19 @@ def test_forward_is_differentiable_and_freeze_flags_work():
     assert all(p.requires_grad for p in enc.tower.parameters()) and enc.config["freeze_tower"] is False
 
 
+@pytest.mark.parametrize("modality", ["image", "audio", "graph"])
+def test_tower_rows_then_project_rows_equals_forward(encoders_by_modality, modality):
+    enc = encoders_by_modality[modality]
+    batch = enc.collate([enc.preprocess(x) for x in _items(modality)])
+    with torch.no_grad():
+        direct = enc(batch)
+        cached = enc.tower_rows(batch)
+        assert [r.shape[-1] for r in cached] == [enc.tower.out_dim] * len(cached)
+        staged = enc.project_rows(cached)
+    for a, b in zip(direct, staged):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- streaming
 def test_streaming_audio_fixed_rows_per_chunk():
     torch.manual_seed(0)
