@@ -18,6 +18,7 @@ full-sequence logits are never formed.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +133,7 @@ class ModelRunner:
         block_size: int,
         enable_prompt_embeds: bool,
         eos_token_ids: tuple[int, ...] = (),
+        fused_norm: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -148,6 +150,13 @@ class ModelRunner:
             model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
         )
         self.model = model.to(device).eval().requires_grad_(False)
+        if fused_norm is None:  # default: on the GPU, unless BRIDGE_FUSED_NORM=0 (A/B runs)
+            fused_norm = device.type == "cuda" and os.environ.get("BRIDGE_FUSED_NORM", "1") != "0"
+        self.num_fused_norms = 0
+        if fused_norm:
+            from runner.fused_norm import fuse_rmsnorms
+
+            self.num_fused_norms = fuse_rmsnorms(self.model)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()

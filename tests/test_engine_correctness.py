@@ -171,6 +171,9 @@ def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_refe
     llm = LLM(model_dirs["qwen3"], enable_prompt_embeds=True, dtype="float32", device="cpu",
               num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=8)
     llm.runner.capture_cuda_graphs(emulate=True)
+    from runner.fused_norm import fuse_rmsnorms
+
+    assert fuse_rmsnorms(llm.runner.model) == 2 * 4 + 1  # 4 norms per layer (qwen3) + the final norm
     picks = [0, 2, 4, 5, 1]  # five requests: decode steps run in the padded bucket of 8
     batch = [{"prompt_embeds": _embeds_of(model, prompts[i])} if i % 2 else {"prompt_token_ids": prompts[i]}
              for i in picks]
@@ -187,3 +190,26 @@ def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_refe
     assert triton == eager
     assert llm.runner.num_graph_replays > replays
     _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rmsnorm_matches_hf_modules(family, dtype, model_dirs, hf_reference):
+    from runner.fused_norm import FUSABLE_RMSNORM_CLASSES, rms_norm
+
+    model = hf_reference[family][0]
+    norms = [m for m in model.modules() if type(m).__name__ in FUSABLE_RMSNORM_CLASSES]
+    assert norms
+    g = torch.Generator().manual_seed(3)
+    for norm in norms[:3]:
+        n = norm.weight.shape[0]
+        weight = (torch.randn(n, generator=g) + 1).to(dtype)
+        x = (torch.randn(2, 7, n, generator=g) * 3).to(dtype)
+        module = type(norm)(n, eps=norm.variance_epsilon).to(dtype)
+        with torch.no_grad():
+            module.weight.copy_(weight)
+            expected = module(x)
+        got = rms_norm(x, module.weight, module.variance_epsilon)
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=1e-2)
+        torch.testing.assert_close(got, expected, **tol)
