@@ -194,3 +194,13 @@ def test_whisper_streaming_chunks(whisper_dir):
     wave = _tone(1.7)  # 4 chunks: can exceed the encoder window because each chunk is encoded alone
     assert enc.num_rows(wave) == 20 and enc.encode([wave])[0].shape == (20, HIDDEN)
     assert enc.encode_stream(_tone(0.25)).shape == (5, HIDDEN)
+
+
+def test_whisper_log_mel_matches_transformers_feature_extractor(whisper_dir):
+    import transformers
+
+    tower = build_tower({"name": "whisper_hf", "path": str(whisper_dir)})
+    wave = _tone(0.6, freq=523.0) + 0.01 * torch.randn(9600, generator=torch.Generator().manual_seed(0))
+    extractor = transformers.WhisperFeatureExtractor(feature_size=40, chunk_length=1)  # window: 100 frames
+    reference = extractor(wave.numpy(), sampling_rate=16000, return_tensors="np").input_features[0]
+    assert torch.allclose(tower.preprocess(wave)["features"], torch.from_numpy(reference), atol=1e-4)
