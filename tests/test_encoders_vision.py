@@ -74,6 +74,15 @@ def test_open_clip_arch_names_resolve():
         build_tower({"name": "open_clip", "arch": "bridge-tiny-vit", "pretrained": "/nonexistent/clip.bin"})
 
 
+def test_open_clip_preprocessing_is_open_clips_own():
+    import open_clip
+
+    _, _, preprocess_val = open_clip.create_model_and_transforms("ViT-B-32")  # random init, no download
+    tower = build_tower({"name": "open_clip", "arch": "ViT-B-32"})
+    picture = Image.fromarray((np.random.default_rng(1).random((300, 260, 3)) * 255).astype(np.uint8))
+    assert torch.equal(tower.preprocess(picture), preprocess_val(picture))
+
+
 def test_open_clip_pretrained_local_file(tmp_path):
     import open_clip
     from safetensors.torch import save_file
