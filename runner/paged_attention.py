@@ -21,11 +21,14 @@ whose slot is >= 0 (a boolean selection, which syncs; harmless on the CPU).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from runner.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from runner.paged_attention_triton import DecodeConfig, PrefillConfig
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -93,6 +96,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     backend: Backend = "auto",
+    decode_config: DecodeConfig | None = None,
+    prefill_config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache -> (num_tokens, num_q_heads, head_dim).
 
@@ -101,6 +106,7 @@ def paged_attention(
     `seq_lens[b] - q_len_b + i` and sees keys 0..that position, whose K/V `write_kv` has already stored.
     Rows outside every request (trailing padding) are left as they were in `out` (unspecified when `out`
     is None); a request with seq_len 0 and one row (padded decode batch) gets zeros.
+    `decode_config` / `prefill_config` override the Triton launch parameters (ignored by the torch path).
     """
     _check_cache(key_cache, value_cache)
     if query.dim() != 3:
@@ -120,7 +126,10 @@ def paged_attention(
     if _resolve_backend(backend, query.device) == "triton":
         from runner.paged_attention_triton import paged_attention_triton
 
-        return paged_attention_triton(query, key_cache, value_cache, meta, scale, out)
+        return paged_attention_triton(
+            query, key_cache, value_cache, meta, scale, out,
+            decode_config=decode_config, prefill_config=prefill_config,
+        )  # fmt: skip
     return paged_attention_torch(query, key_cache, value_cache, meta, scale, out)
 
 

@@ -299,8 +299,9 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     IS_FP32: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # KV heads fastest: the programs of one request run together and read whole (token, all heads) rows.
+    kv_head = tl.program_id(0)
+    req = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1)
@@ -435,12 +436,12 @@ def _prefill_kernel(
     num_q_per_kv,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * G_PAD
     BLOCK_Q: tl.constexpr,
     G_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     IS_FP32: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # Later query blocks see more keys: launch them first.
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -587,9 +588,9 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     """Run the decode and/or prefill kernels into `out` (num_tokens, num_q_heads, head_dim); returns `out`.
 
-    Which kernels launch: `meta.is_decode_only` -> decode only (CUDA-graph path: no host data read beyond
-    `meta.num_reqs`). Otherwise the prefill kernel, plus the decode kernel unless the host copy
-    `meta.query_start_loc_cpu` shows no single-row request.
+    Which kernels launch: `meta.is_decode_only` or `max_query_len <= 1` -> decode only (the CUDA-graph
+    path: no host data read beyond `meta.num_reqs`). Otherwise the prefill kernel, plus the decode kernel
+    unless the host copy `meta.query_start_loc_cpu` shows no single-row request.
     """
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -608,13 +609,11 @@ def paged_attention_triton(
         *out.stride(),
     )
 
-    launch_decode = meta.is_decode_only
-    launch_prefill = not meta.is_decode_only
-    if launch_prefill:
+    launch_prefill = not meta.is_decode_only and meta.max_query_len > 1
+    launch_decode = True
+    if launch_prefill and meta.query_start_loc_cpu:
         qsl = meta.query_start_loc_cpu
-        launch_decode = (not qsl) or any(qsl[i + 1] - qsl[i] == 1 for i in range(num_reqs))
-        if qsl and meta.max_query_len <= 1:
-            launch_prefill = False
+        launch_decode = any(qsl[i + 1] - qsl[i] == 1 for i in range(num_reqs))
 
     if launch_decode:
         cfg = decode_config or _default_decode_config(query.dtype)
@@ -627,7 +626,7 @@ def paged_attention_triton(
             part_lse = torch.empty((num_reqs, num_q_heads, splits), dtype=torch.float32, device=query.device)
         else:
             part_out = part_lse = out  # unused
-        _decode_kernel[(num_reqs, num_kv_heads, splits)](
+        _decode_kernel[(num_kv_heads, num_reqs, splits)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             out, part_out, part_lse, qk_scale, *common_strides, num_q_heads, group,
             NUM_SPLITS=splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=block_g,
@@ -643,13 +642,13 @@ def paged_attention_triton(
     if launch_prefill:
         group_pad = triton.next_power_of_2(group)
         cfg = prefill_config or _default_prefill_config(head_dim, query.dtype, meta.max_query_len, group_pad)
-        block_m = max(cfg.block_m, 16, group_pad)
+        block_m = triton.next_power_of_2(max(cfg.block_m, 16, group_pad))
         block_q = block_m // group_pad
         num_q_blocks = max(1, math.ceil(meta.max_query_len / block_q))
         _prefill_kernel[(num_q_blocks, num_kv_heads, num_reqs)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
             qk_scale, *common_strides, group,
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_Q=block_q, G_PAD=group_pad, TILE_N=cfg.tile_n,
-            IS_FP32=is_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,
+            TILE_N=cfg.tile_n, IS_FP32=is_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out

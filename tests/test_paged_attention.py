@@ -9,6 +9,7 @@ NaN so rows a kernel forgot to write show up too.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -379,3 +380,63 @@ def test_gpu_decode_replays_in_cuda_graph_with_new_lengths(num_splits):
     ref = paged_attention(second.query, second.key_cache, second.value_cache, second.meta, second.scale,
                           backend="torch")  # fmt: skip
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+# --------------------------------------------------------------------------------------------------------
+# CPU: the kernels compile for Hopper (sm_90) with the ptxas that ships with Triton, so a kernel that only
+# the interpreter accepts is caught without a GPU. Runs in a subprocess: this process is in interpreter mode.
+# --------------------------------------------------------------------------------------------------------
+
+_COMPILE_FOR_SM90 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import runner.paged_attention_triton as pat
+
+COMMON = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kb",
+          "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_ot", "stride_oh"]
+UNIT = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)
+
+def build(fn, types, consts, aligned, **opts):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=opts)
+    assert kernel.asm["cubin"], fn.__name__
+    print(fn.__name__, "ok")
+
+bf16 = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
+            seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", part_out_ptr="*fp32",
+            part_lse_ptr="*fp32")
+for splits in (1, 4):
+    build(pat._decode_kernel, bf16, dict(UNIT, NUM_SPLITS=splits, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16,
+          TILE_N=64, IS_FP32=False), COMMON, num_warps=4, num_stages=3)
+build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, NUM_SPLITS=3, SPLITS_PAD=4, HEAD_DIM=128), COMMON,
+      num_warps=2)
+build(pat._prefill_kernel, bf16, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, G_PAD=2,
+      TILE_N=64, IS_FP32=False), COMMON, num_warps=8, num_stages=3)
+build(pat._write_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16",
+      value_cache_ptr="*bf16", slot_ptr="*i64"), dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1,
+      BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), [], num_warps=4)
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    import pathlib
+    import subprocess
+    import sys
+
+    import triton
+
+    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton's bundled ptxas is not available")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_SM90],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(" ok") == 5, result.stdout
