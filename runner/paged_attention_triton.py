@@ -18,7 +18,9 @@ Why three attention kernels:
 - Prefill (`_prefill_kernel`, query rows > 1) covers prompts from scratch, chunks with a paged prefix and
   earlier chunks. One program handles BLOCK_Q query tokens x all query heads of one KV head, packed as the
   rows of one tile, so K/V tiles are shared across the group. Tiles entirely below the causal diagonal run
-  without a mask.
+  without a mask. The grid is flat over query blocks (num_tokens // BLOCK_Q + num_reqs) and each program
+  finds its request with one vectorised search of `query_start_loc`, so a mixed step with hundreds of
+  decodes launches a few programs per decode that exit at once, not max_query_len / BLOCK_Q of them.
 - A mixed step launches both: the decode kernel skips requests whose query length is not 1 and the prefill
   kernel skips those whose query length is <= 1, a choice made on the device from `query_start_loc`, so no
   host work or sync is needed to sort requests.
@@ -29,7 +31,6 @@ All softmax state is fp32 and in base 2 (`exp2` with the scale folded with log2(
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 
@@ -434,21 +435,33 @@ def _prefill_kernel(
     stride_oh,
     stride_od,
     num_q_per_kv,
+    num_reqs,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,  # BLOCK_Q * G_PAD
     BLOCK_Q: tl.constexpr,
     G_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
     IS_FP32: tl.constexpr,
 ):
-    # Later query blocks see more keys: launch them first.
-    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    # Flat grid over query blocks: request b owns programs [qsl[b]//BLOCK_Q + b, qsl[b+1]//BLOCK_Q + b + 1),
+    # at least ceil(q_len / BLOCK_Q) of them, so the grid (num_tokens // BLOCK_Q + num_reqs) needs no
+    # per-request host data. Reversed so the last (longest) query blocks start first.
+    global_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = tl.program_id(2)
+    # Find the request: count the requests whose first block is <= global_block (vectorised search).
+    count = 0
+    for base in range(0, num_reqs, SEARCH_BLOCK):
+        idx = base + tl.arange(0, SEARCH_BLOCK)
+        in_range = idx < num_reqs
+        first_block = tl.load(query_start_loc_ptr + idx, mask=in_range, other=0) // BLOCK_Q + idx
+        count += tl.sum(((first_block <= global_block) & in_range).to(tl.int32), 0)
+    req = count - 1
     q_start = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1)
     q_len = q_end - q_start
+    q_block = global_block - (q_start // BLOCK_Q + req)
     if q_len <= 1:
         # 1: the decode kernel's; 0: a padding request.
         return
@@ -644,11 +657,12 @@ def paged_attention_triton(
         cfg = prefill_config or _default_prefill_config(head_dim, query.dtype, meta.max_query_len, group_pad)
         block_m = triton.next_power_of_2(max(cfg.block_m, 16, group_pad))
         block_q = block_m // group_pad
-        num_q_blocks = max(1, math.ceil(meta.max_query_len / block_q))
-        _prefill_kernel[(num_q_blocks, num_kv_heads, num_reqs)](
+        num_q_blocks = query.shape[0] // block_q + num_reqs
+        _prefill_kernel[(num_q_blocks, num_kv_heads)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-            qk_scale, *common_strides, group,
+            qk_scale, *common_strides, group, num_reqs,
             BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,
-            TILE_N=cfg.tile_n, IS_FP32=is_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            TILE_N=cfg.tile_n, SEARCH_BLOCK=min(1024, triton.next_power_of_2(num_reqs)), IS_FP32=is_fp32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out

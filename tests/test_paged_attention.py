@@ -204,6 +204,17 @@ def test_triton_prefill_tilings_match_torch_path(block_size, tile_n, block_m, nu
     torch.testing.assert_close(run_triton(batch, prefill=prefill), run_torch(batch), atol=2e-5, rtol=2e-5)
 
 
+def test_triton_prefill_flat_grid_with_many_requests_and_padding():
+    """Query lengths that are multiples of BLOCK_Q, decodes in between, and trailing padding requests and
+    rows: every program must find its own request in the flat grid."""
+    specs = [(0, 16), (5, 1), (20, 8), (0, 1), (3, 24), (9, 1), (0, 2)]
+    batch = make_batch(specs, seed=12, padding_reqs=2, padding_tokens=3)
+    out = run_triton(batch)  # block_m 16 with a group of 2: BLOCK_Q = 8
+    real = owned_rows(batch)
+    torch.testing.assert_close(out[:real], run_torch(batch)[:real], atol=2e-5, rtol=2e-5)
+    assert torch.isnan(out[real:]).all()
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(("block_size", "tile_n"), [(16, 16), (16, 32), (32, 16)])
 def test_triton_decode_matches_torch_path(num_splits, block_size, tile_n):
@@ -415,7 +426,7 @@ for splits in (1, 4):
 build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, NUM_SPLITS=3, SPLITS_PAD=4, HEAD_DIM=128), COMMON,
       num_warps=2)
 build(pat._prefill_kernel, bf16, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, G_PAD=2,
-      TILE_N=64, IS_FP32=False), COMMON, num_warps=8, num_stages=3)
+      TILE_N=64, SEARCH_BLOCK=256, IS_FP32=False), COMMON, num_warps=8, num_stages=3)
 build(pat._write_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16",
       value_cache_ptr="*bf16", slot_ptr="*i64"), dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1,
       BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), [], num_warps=4)
