@@ -223,6 +223,20 @@ def test_triton_decode_matches_torch_path(num_splits, block_size, tile_n):
     torch.testing.assert_close(run_triton(batch, decode=decode), run_torch(batch), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_triton_half_precision_branch_matches_torch_path(num_splits):
+    """The 16-bit branch (P cast to the value dtype before the second dot). fp16, because the interpreter's
+    bf16 dot is not faithful; on the GPU bf16 and fp16 compile the same code."""
+    batch = make_batch(CASES["mixed"], seed=13)
+    batch.query, batch.key_cache, batch.value_cache = (
+        t.half() for t in (batch.query, batch.key_cache, batch.value_cache)
+    )
+    decode = DecodeConfig(tile_n=16, num_warps=4, num_stages=1, num_splits=num_splits)
+    out = run_triton(batch, decode=decode)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), run_torch(batch).float(), atol=5e-3, rtol=5e-3)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_triton_decode_padded_batch_is_harmless(num_splits):
     """A CUDA-graph-style padded batch: extra requests with no rows and seq_len 0, trailing slot -1 rows."""
