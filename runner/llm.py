@@ -20,7 +20,7 @@ import torch
 
 from runner.block_manager import BlockManager
 from runner.kv_cache import determine_num_blocks
-from runner.model_runner import ModelRunner
+from runner.model_runner import MAX_DECODE_WINDOW, ModelRunner
 from runner.model_states import load_hf_config, resolve_model_state_cls
 from runner.outputs import RequestOutput
 from runner.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, Request
@@ -82,6 +82,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         enforce_eager: bool = False,
         seed: int = 0,
+        decode_window: int | None = None,
     ) -> None:
         model_dir = str(model)
         config = load_hf_config(model_dir)
@@ -139,6 +140,12 @@ class LLM:
         self.use_cuda_graphs = on_gpu and not enforce_eager
         if self.use_cuda_graphs:
             self.runner.capture_cuda_graphs()
+        # Greedy decode steps run up to this many at a time between host syncs (CUDA graphs only).
+        if decode_window is None:
+            decode_window = 8 if self.use_cuda_graphs else 1
+        if not 1 <= decode_window <= MAX_DECODE_WINDOW:
+            raise ValueError(f"decode_window must be in [1, {MAX_DECODE_WINDOW}], got {decode_window}")
+        self.decode_window = decode_window
         self._request_counter = itertools.count()
 
     # ----------------------------------------------------------------------------- helpers
@@ -337,6 +344,14 @@ class LLM:
     def _run_until_done(self, bar) -> None:
         scheduler, runner = self.scheduler, self.runner
         while scheduler.has_unfinished():
+            k = scheduler.decode_window_size(self.decode_window, self.max_model_len) if runner.graphs else 1
+            if k > 1 and runner.can_replay(len(scheduler.running)):
+                out = scheduler.schedule_decode_window(k)
+                if out is not None:
+                    finished = scheduler.update_window(out, runner.execute_decode_window(out, k))
+                    if finished:
+                        bar.update(len(finished))
+                    continue
             out = scheduler.schedule()
             if out.num_reqs == 0:
                 raise RuntimeError("scheduler made no progress: a request cannot fit the KV cache")

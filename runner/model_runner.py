@@ -35,6 +35,10 @@ from runner.scheduler import SchedulerOutput, StepResult
 logger = logging.getLogger(__name__)
 
 
+# Most greedy decode steps run back to back without a host sync (see `execute_decode_window`).
+MAX_DECODE_WINDOW = 16
+
+
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Decode batch-size buckets: 1, 2, 4, 8, then steps of 8 to 64, of 16 to 256, of 32 beyond."""
     sizes = [1, 2, 4]
@@ -117,6 +121,23 @@ class _StagingBuffers:
         self.dev32[: o32[-1]].copy_(self.host32[: o32[-1]], non_blocking=True)
 
 
+@dataclass
+class _Staged:
+    """One step's staged inputs: device views plus the host-side numbers the step needs later."""
+
+    views: _StepViews
+    t: int
+    r: int
+    bucket: int | None
+    nsched: np.ndarray
+    cu: np.ndarray
+    seq_lens: np.ndarray
+    decode_only: bool
+    sample_rows: list[int]
+    plp_rows: list[int]
+    plp_spans: list[tuple[int, int, int]]
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the per-slot host tables and the CUDA graphs."""
 
@@ -178,6 +199,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: torch.Tensor | None = None
         self.num_graph_replays = 0
+        self.num_decode_windows = 0
         self.num_forward_steps = 0
 
     # ----------------------------------------------------------------------------- setup
@@ -267,14 +289,18 @@ class ModelRunner:
             hidden = hidden.index_select(0, logits_indices)
         return self.lm_head(hidden).float()
 
+    def can_replay(self, num_reqs: int) -> bool:
+        """Whether a decode step of `num_reqs` requests has a captured graph bucket."""
+        return self._graph_bucket(num_reqs) is not None
+
     def _graph_bucket(self, num_reqs: int) -> int | None:
         for b in self.graph_sizes if self.graphs else ():
             if b >= num_reqs:
                 return b
         return None
 
-    @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> StepResult:
+    def _stage(self, so: SchedulerOutput) -> _Staged:
+        """Write the step's inputs into the pinned staging buffers and start their upload."""
         reqs = so.requests
         r = len(reqs)
         t = so.total_num_tokens
@@ -334,7 +360,13 @@ class ModelRunner:
             h32[o32[4] + r * w : o32[5]] = 0
         st.upload(tp, rp, w, n_logits)
         v = st.views(st.dev64, st.dev32, tp, rp, w, n_logits)
+        return _Staged(v, t, r, bucket, nsched, cu, seq_lens, decode_only, sample_rows, plp_rows, plp_spans)
 
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> StepResult:
+        """Run one scheduled step and sample; the one host sync reads the sampled tokens."""
+        sd = self._stage(so)
+        v, t, r, bucket, sample_rows = sd.views, sd.t, sd.r, sd.bucket, sd.sample_rows
         embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids)
         if self.num_embeds_reqs:
             self.prompt_embeds_state.apply(embeds[:t], v.idx_mapping[:r], v.query_start_loc[: r + 1],
@@ -349,21 +381,54 @@ class ModelRunner:
         else:
             meta = AttentionMetadata(
                 v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
-                max_query_len=int(nsched.max()), max_seq_len=int(seq_lens.max()), num_reqs=r,
-                is_decode_only=decode_only,
-                query_start_loc_cpu=[0, *cu.tolist()], seq_lens_cpu=seq_lens.tolist(),
+                max_query_len=int(sd.nsched.max()), max_seq_len=int(sd.seq_lens.max()), num_reqs=r,
+                is_decode_only=sd.decode_only,
+                query_start_loc_cpu=[0, *sd.cu.tolist()], seq_lens_cpu=sd.seq_lens.tolist(),
             )
             logits = self._forward(embeds, v.positions, meta, v.logits_indices)
         self.num_forward_steps += 1
 
         result = self._sample(so, logits[: len(sample_rows)])
-        if plp_rows:
-            result.prompt_logprobs = self._prompt_logprobs(so, logits[len(sample_rows) :], plp_spans)
-        for i, req in enumerate(reqs):
+        if sd.plp_rows:
+            result.prompt_logprobs = self._prompt_logprobs(so, logits[len(sample_rows) :], sd.plp_spans)
+        for i, req in enumerate(so.requests):
             token = result.sampled_token_ids[i]
             if token is not None and req.num_tokens <= self.max_model_len:
                 self.token_table[req.slot, req.num_tokens] = token
         return result
+
+    @torch.inference_mode()
+    def execute_decode_window(self, so: SchedulerOutput, k: int) -> list[list[int]]:
+        """Run `k` greedy decode steps back to back on the device; one host sync for all of them.
+
+        Step j's input token is step j-1's argmax, fed on the device; positions, context lengths
+        and KV slots advance on the device from the block tables the scheduler already extended
+        for `k` more tokens. Every step replays the decode graph of the batch's bucket. Returns
+        the `k` tokens of each request; the caller drops those after a stop.
+        """
+        sd = self._stage(so)
+        v, r, bucket, bs = sd.views, sd.r, sd.bucket, self.block_size
+        assert bucket is not None and sd.decode_only and len(sd.sample_rows) == r
+        tokens = self.window_tokens
+        for j in range(k):
+            if j:
+                v.input_ids[:r].copy_(tokens[j - 1, :r])
+                v.positions[:r] += 1
+                v.seq_lens[:r] += 1
+                pos = v.positions[:r]
+                block = v.block_tables[:r].gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1))
+                v.slot_mapping[:r].copy_(block.squeeze(1).long() * bs + pos % bs)
+            self.embeds_builder.build(self.embed_tokens, v.input_ids)
+            self.graphs[bucket].replay()
+            torch.argmax(self.graph_logits[:r], dim=-1, out=tokens[j, :r])
+        self.num_graph_replays += k
+        self.num_forward_steps += k
+        self.num_decode_windows += 1
+        out = tokens[:k, :r].t().tolist()
+        for req, toks in zip(so.requests, out):
+            n = req.num_tokens
+            self.token_table[req.slot, n : n + k] = toks[: self.max_model_len + 1 - n]
+        return out
 
     # ----------------------------------------------------------------------------- sampling
     def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> StepResult:
@@ -485,6 +550,8 @@ class ModelRunner:
         self.graph_sizes = cuda_graph_batch_sizes(min(self.max_num_seqs, self.max_num_batched_tokens))
         self.graph_logits = torch.zeros(self.graph_sizes[-1], self.vocab_size, dtype=torch.float32,
                                         device=self.device)
+        self.window_tokens = torch.zeros(MAX_DECODE_WINDOW, self.graph_sizes[-1], dtype=torch.int64,
+                                         device=self.device)
         if emulate:
             self.graphs = {b: _EagerReplay(self._decode_graph_body(b)) for b in self.graph_sizes}
             return

@@ -101,8 +101,13 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     detokenizer: IncrementalDetokenizer | None = None
     _real_prompt_ids: list[int] | None = field(default=None, repr=False)
+    # Tokens whose KV the request needs: prompt plus everything generated so far. A plain field
+    # (kept in step by `append_output_token`) because the scheduler reads it for every request
+    # every step.
+    num_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
             self.cumulative_logprob = 0.0
@@ -113,11 +118,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens whose KV the request needs: prompt plus everything generated so far."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -156,6 +156,7 @@ class Request:
     def append_output_token(self, token_id: int, logprob: float | None = None,
                             top_logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)
+        self.num_tokens += 1
         if self.logprobs is not None:
             entry = dict(top_logprobs) if top_logprobs else {}
             if logprob is not None:

@@ -144,20 +144,23 @@ class Scheduler:
         scheduled: set[str] = set()
         bm = self.block_manager
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + partial:
+        decodes: list[Request] = []
+        partial: list[Request] = []
+        for r in self.running:
+            (decodes if r.num_tokens - r.num_computed_tokens == 1 else partial).append(r)
+        for request in (decodes + partial) if partial else decodes:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not bm.allocate_slots(request, request.num_computed_tokens + n):
-                victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    break
+            if not bm.allocate_slots(request, request.num_computed_tokens + n):
+                while True:
+                    victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is request or bm.allocate_slots(request, request.num_computed_tokens + n):
+                        break
             if request.status != RequestStatus.RUNNING:
                 continue
             self._add(out, request, n, scheduled)
@@ -191,6 +194,55 @@ class Scheduler:
         scheduled.add(request.request_id)
         if not samples:
             self.num_partial_prefills += 1
+
+    def decode_window_size(self, max_window: int, max_model_len: int) -> int:
+        """How many greedy decode steps may run without looking at their tokens (1 = not now).
+
+        Only when nothing waits for admission, every running request decodes greedily with no
+        penalties, logprobs or pending min_tokens, and no request could pass its max_tokens or
+        the context within the window (so only EOS / stop strings / stop ids can make a window
+        step wasted, and those tokens are dropped).
+        """
+        if max_window <= 1 or self.waiting or not self.running:
+            return 1
+        k = max_window
+        for r in self.running:
+            p = r.sampling_params
+            if (r.num_tokens - r.num_computed_tokens != 1 or not p.is_greedy or p.uses_penalties
+                    or p.logprobs is not None or r.num_output_tokens < p.min_tokens):
+                return 1
+            k = min(k, p.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens)
+        return k
+
+    def schedule_decode_window(self, k: int) -> SchedulerOutput | None:
+        """Every running request decodes `k` tokens; KV blocks for all of them are taken now.
+
+        None (nothing scheduled) if the pool cannot cover the window: the caller then takes a
+        normal step, which preempts as needed. Blocks already added stay with their requests.
+        """
+        bm = self.block_manager
+        for r in self.running:
+            if not bm.allocate_slots(r, r.num_computed_tokens + k):
+                return None
+        n = len(self.running)
+        out = SchedulerOutput(list(self.running), [1] * n, [True] * n)
+        self.num_steps_scheduled += k
+        return out
+
+    def update_window(self, out: SchedulerOutput, tokens: list[list[int]]) -> list[Request]:
+        """Advance each request through its window tokens until it stops; later tokens are dropped."""
+        finished: list[Request] = []
+        for request, toks in zip(out.requests, tokens):
+            for token in toks:
+                request.num_computed_tokens += 1
+                request.append_output_token(token)
+                if request.check_stop():
+                    self.running.remove(request)
+                    self._release(request)
+                    del self.requests[request.request_id]
+                    finished.append(request)
+                    break
+        return finished
 
     # ----------------------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:

@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, enable_prompt_embeds=True, dtype="float32", num_kv_blocks=128,
+    return LLM(model_dir, enable_prompt_embeds=True, dtype="float32", device="cpu", num_kv_blocks=128,
                max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64)
 
 
@@ -89,7 +89,7 @@ def test_bad_prompt_rejected_before_anything_is_scheduled(llm, kind):
 
 
 def test_embeds_rejected_without_enable_prompt_embeds(model_dir):
-    plain = LLM(model_dir, dtype="float32", num_kv_blocks=16)
+    plain = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=16)
     with pytest.raises(ValueError, match="enable_prompt_embeds"):
         plain.generate([{"prompt_embeds": torch.randn(3, HIDDEN)}], use_tqdm=False)
     assert plain.num_steps == 0

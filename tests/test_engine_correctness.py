@@ -213,3 +213,31 @@ def test_fused_rmsnorm_matches_hf_modules(family, dtype, model_dirs, hf_referenc
         assert got.dtype == expected.dtype and got.shape == expected.shape
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=1e-2)
         torch.testing.assert_close(got, expected, **tol)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decode_windows_match_hf_and_single_steps(family, model_dirs, hf_reference):
+    """Greedy decode steps run several at a time with device-fed tokens (graphs emulated on the CPU)."""
+    model, prompts, expected = hf_reference[family]
+    llm = LLM(model_dirs[family], enable_prompt_embeds=True, dtype="float32", device="cpu",
+              num_kv_blocks=256, max_num_seqs=8, decode_window=1)
+    llm.runner.capture_cuda_graphs(emulate=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    # Single steps first: the reference for stop behaviour inside a window.
+    stop_id = expected[5][6]
+    stopping = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[stop_id])
+    single = [o.outputs[0] for o in llm.generate(batch, stopping, use_tqdm=False)]
+
+    llm.decode_window = 4
+    steps = llm.num_steps
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.num_steps - steps >= MAX_TOKENS - 1  # every decode step still ran
+    assert llm.runner.num_decode_windows > 0
+    windows = llm.runner.num_decode_windows
+    windowed = [o.outputs[0] for o in llm.generate(batch, stopping, use_tqdm=False)]
+    assert llm.runner.num_decode_windows > windows
+    assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in windowed] == \
+        [(o.token_ids, o.finish_reason, o.stop_reason) for o in single]
+    assert windowed[5].finish_reason == "stop" and windowed[5].token_ids[-1] == stop_id
+    _assert_all_free(llm)
