@@ -161,7 +161,7 @@ def paged_attention_torch(
         blocks = meta.block_tables[b, :num_blocks].long()
         k = key_cache[blocks].flatten(0, 1)[:seq_len].float()  # (seq_len, kv_heads, head_dim)
         v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
-        q = query[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        q = query[q_start:q_end].float().reshape(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)

@@ -279,17 +279,22 @@ def test_triton_mixed_batch_with_default_configs_and_dispatcher():
     assert torch.isnan(out[real:]).all()
 
 
-def test_triton_accepts_strided_query_and_out():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_query_and_out(backend):
     """Queries arrive as a transposed view of a (1, heads, tokens, dim) projection; no copy is needed."""
     batch = make_batch(CASES["mixed"], seed=8)
     strided_query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
     assert not strided_query.is_contiguous()
     out = torch.full((batch.query.shape[1], batch.query.shape[0], batch.query.shape[2]), float("nan"))
-    paged_attention_triton(
-        strided_query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, out.transpose(0, 1),
-        decode_config=SMALL_DECODE, prefill_config=SMALL_PREFILL,
-    )  # fmt: skip
-    torch.testing.assert_close(out.transpose(0, 1), run_torch(batch), atol=2e-5, rtol=2e-5)
+    if backend == "triton":
+        paged_attention_triton(
+            strided_query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, out.transpose(0, 1),
+            decode_config=SMALL_DECODE, prefill_config=SMALL_PREFILL,
+        )  # fmt: skip
+    else:
+        paged_attention(strided_query, batch.key_cache, batch.value_cache, batch.meta, batch.scale,
+                        out=out.transpose(0, 1), backend="torch")  # fmt: skip
+    torch.testing.assert_close(out.transpose(0, 1).double(), dense_reference(batch), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
