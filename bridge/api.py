@@ -1,0 +1,245 @@
+"""`Bridge`: encoders and the runner in one process.
+
+    from bridge import Bridge
+    b = Bridge.from_checkpoint("runs/shapes/checkpoints/step_300")
+    outs = b.generate([{"text": "<image>", "image": pil_image}], max_tokens=8)
+    outs[0].outputs[0].text
+
+`generate` runs each encoder in-process on its device, then builds one `(n, hidden)` prompt
+embeddings tensor per prompt: the LLM's token embeddings at text positions and the encoder rows
+at placeholder positions, with `prompt_is_token_ids` (True at text positions) and
+`prompt_token_ids`. Those device tensors go straight to `runner.LLM.generate` as
+`prompt_embeds`: no serialization, no host round trip (DESIGN.md, "Data flow").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bridge.data.example import PLACEHOLDERS, Example
+from bridge.data.prompt_embeds import scatter_rows
+from bridge.data.tokenize import TokenizedPrompt, tokenize_prompt
+from bridge.training.components import DTYPES
+
+_MEDIA_KEYS = tuple(PLACEHOLDERS.values())
+
+
+def load_input_embeddings(model_dir: str | Path) -> torch.Tensor:
+    """The token-embedding matrix of a local HF model dir, read from its safetensors alone (the
+    runner holds the model; loading the whole thing again just for this would double memory)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        candidates = {k: model_dir / f for k, f in weight_map.items()}
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{model_dir}: no safetensors weights")
+        candidates = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                candidates.update({k: f for k in handle.keys()})
+    keys = sorted((k for k in candidates if k.endswith("embed_tokens.weight")), key=len)
+    if not keys:
+        raise ValueError(f"{model_dir}: no '*embed_tokens.weight' tensor in its safetensors")
+    with safe_open(str(candidates[keys[0]]), framework="pt") as handle:
+        return handle.get_tensor(keys[0])
+
+
+def _as_example(prompt: Any) -> Example:
+    if isinstance(prompt, Example):
+        return prompt
+    if isinstance(prompt, str):
+        return Example(prompt, "", {})
+    if not isinstance(prompt, Mapping) or not isinstance(prompt.get("text"), str):
+        raise ValueError(
+            "each prompt is a string or a dict with a 'text' string (and media under "
+            "'image' / 'audio' / 'graph')"
+        )
+    unknown = sorted(set(prompt) - {"text", *_MEDIA_KEYS})
+    if unknown:
+        raise ValueError(f"unknown prompt keys {unknown}; valid: text, {', '.join(_MEDIA_KEYS)}")
+    media = {}
+    for mod in _MEDIA_KEYS:
+        if prompt.get(mod) is not None:
+            value = prompt[mod]
+            media[mod] = list(value) if isinstance(value, (list, tuple)) else [value]
+    return Example(prompt["text"], "", media)
+
+
+class Bridge:
+    """Encoders (one per modality) + a runner.LLM over a local HF model directory."""
+
+    def __init__(
+        self,
+        llm_dir: str | Path,
+        encoders: Mapping[str, Any],
+        *,
+        dtype: str = "float32",
+        device: str | torch.device | None = None,
+        enforce_eager: bool = False,
+    ):
+        from transformers import AutoTokenizer
+
+        self.llm_dir = Path(llm_dir)
+        if not (self.llm_dir / "config.json").is_file():
+            raise ValueError(f"LLM directory {self.llm_dir} has no config.json")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.device = (
+            torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.dtype = dtype
+        self.enforce_eager = enforce_eager
+        self.encoders = {m: enc.to(self.device).eval() for m, enc in encoders.items()}
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.llm_dir))
+        self._embed_table = load_input_embeddings(self.llm_dir).to(self.device, DTYPES[dtype])
+        self._engine = None
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_checkpoint(
+        cls, directory: str | Path, device: str | torch.device | None = None, enforce_eager: bool = False
+    ) -> Bridge:
+        """A trained checkpoint (OUTPUT/checkpoints/step_N, or OUTPUT itself for its newest)."""
+        from bridge.training import checkpoint as ckpt_io
+        from encoders.api import load_encoder
+
+        directory = Path(directory)
+        if not (directory / "meta.json").is_file():
+            latest = ckpt_io.latest_checkpoint(directory)
+            if latest is None:
+                raise ValueError(f"{directory} is neither a checkpoint (no meta.json) nor a run dir with one")
+            directory = latest
+        meta = ckpt_io.read_meta(directory)
+        llm_dir = directory / meta["llm_dir"] if meta["llm_dir"] == "llm" else Path(meta["llm_dir"])
+        encoders = {m: load_encoder(directory / "encoder" / m) for m in meta["modalities"]}
+        return cls(
+            llm_dir,
+            encoders,
+            dtype=meta.get("llm_dtype", "float32"),
+            device=device,
+            enforce_eager=enforce_eager,
+        )
+
+    @classmethod
+    def from_recipe(
+        cls,
+        path: str | Path,
+        overrides: Sequence[str] = (),
+        output_dir: str | Path | None = None,
+        device: str | torch.device | None = None,
+    ) -> Bridge:
+        """The recipe's LLM and a freshly initialised (untrained) encoder: for trying the plumbing
+        before training. A tiny model is built into OUTPUT/base_model as `bridge train` would."""
+        from bridge.data.sources import build_datasets
+        from bridge.recipe import load_recipe
+        from bridge.training.components import build_recipe_encoder, dataset_vocab_words, prepare_llm_dir
+        from bridge.training.trainer import default_output_dir
+
+        recipe = load_recipe(path, overrides)
+        out = Path(output_dir) if output_dir else default_output_dir(recipe)
+        words: list[str] = []
+        if recipe.model.tiny is not None:
+            words = dataset_vocab_words(build_datasets(recipe.data, recipe.seed)[0])
+        llm_dir = prepare_llm_dir(recipe, out, words)
+        hidden = json.loads((llm_dir / "config.json").read_text())
+        hidden = hidden.get("hidden_size") or hidden.get("text_config", {}).get("hidden_size")
+        encoder = build_recipe_encoder(recipe, int(hidden))
+        return cls(
+            llm_dir,
+            {encoder.modality: encoder},
+            dtype=recipe.model.dtype,
+            device=device,
+            enforce_eager=recipe.eval.enforce_eager,
+        )
+
+    # ------------------------------------------------------------------ engine
+    @property
+    def engine(self):
+        """The runner.LLM, created on first use."""
+        if self._engine is None:
+            from runner.llm import LLM
+
+            self._engine = LLM(
+                str(self.llm_dir),
+                enable_prompt_embeds=True,
+                dtype=DTYPES[self.dtype],
+                device=str(self.device),
+                enforce_eager=self.enforce_eager,
+            )
+        return self._engine
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, example: Example) -> TokenizedPrompt:
+        return tokenize_prompt(
+            self.tokenizer,
+            example.prompt,
+            example.media,
+            {m: enc.num_rows for m, enc in self.encoders.items()},
+        )
+
+    @torch.no_grad()
+    def build_requests(self, prompts: Sequence[Any], encode_batch_size: int = 64) -> list[dict]:
+        """Prompt dicts -> runner requests {"prompt_embeds", "prompt_is_token_ids", "prompt_token_ids"},
+        tensors on this Bridge's device. Encoders run batched across prompts."""
+        examples = [_as_example(p) for p in prompts]
+        tokenized = [self.tokenize(ex) for ex in examples]
+        rows: dict[str, list[torch.Tensor]] = {}
+        for mod, enc in self.encoders.items():
+            items = [item for ex in examples for item in ex.media.get(mod, [])]
+            rows[mod] = [
+                r
+                for i in range(0, len(items), encode_batch_size)
+                for r in enc.encode(items[i : i + encode_batch_size])
+            ]
+        cursor = {m: 0 for m in rows}
+        requests = []
+        for ex, tp in zip(examples, tokenized):
+            mine = []
+            for span in sorted(tp.spans, key=lambda s: s.start):
+                r = rows[span.modality][cursor[span.modality] + span.item_index]
+                if r.shape[0] != span.length:
+                    raise ValueError(
+                        f"the {span.modality} encoder produced {r.shape[0]} rows, num_rows said {span.length}"
+                    )
+                mine.append(r.to(self.device))
+            for mod in cursor:
+                cursor[mod] += len(ex.media.get(mod, []))
+            ids = torch.tensor(tp.ids, device=self.device)
+            is_token = torch.tensor(tp.is_token, device=self.device)
+            embeds = self._embed_table[ids.masked_fill(~is_token, 0)]
+            requests.append(
+                {
+                    "prompt_embeds": scatter_rows(embeds, is_token, mine),
+                    "prompt_is_token_ids": is_token,
+                    "prompt_token_ids": list(tp.ids),
+                }
+            )
+        return requests
+
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        max_tokens: int = 32,
+        temperature: float = 0.0,
+        sampling_params=None,
+        **sampling_kwargs,
+    ):
+        """Generate for prompt dicts {"text": "... <image> ...", "image": item_or_list, ...}; returns
+        the runner's RequestOutputs (`.outputs[0].text`, `.outputs[0].token_ids`)."""
+        from runner.sampling_params import SamplingParams
+
+        if sampling_params is None:
+            sampling_params = SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, **sampling_kwargs
+            )
+        return self.engine.generate(self.build_requests(prompts), sampling_params)

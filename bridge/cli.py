@@ -1,0 +1,107 @@
+"""`bridge` console script.
+
+    bridge train RECIPE [--output-dir DIR] [--nproc N] [key.sub=value ...]
+    bridge demo {shapes,tones,graphs} [--output-dir DIR] [key.sub=value ...]
+    bridge defaults                      # every recipe key with its default and meaning
+
+`--nproc N` (N > 1) re-launches the same command under torchrun with N processes (DDP);
+`torchrun --nproc_per_node N -m bridge train RECIPE` does the same by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).resolve().parents[1] / "recipes" / "demo"
+DEMOS = ("shapes", "tones", "graphs")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bridge", description="Train encoders into LLMs from recipes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a recipe YAML")
+    train.add_argument("recipe", help="path to a recipe YAML")
+    demo = sub.add_parser("demo", help="train a built-in demo recipe (no download needed)")
+    demo.add_argument("name", choices=DEMOS)
+    for p in (train, demo):
+        p.add_argument("--output-dir", default=None, help="where outputs go (default: runs/<recipe name>)")
+        p.add_argument("--nproc", type=int, default=1, help="processes (ranks) to train with via torchrun")
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="key.sub=value",
+            help="recipe overrides (value read as YAML), anywhere on the line",
+        )
+    sub.add_parser("defaults", help="print every recipe key with its default")
+    return parser
+
+
+def _launch_torchrun(argv: Sequence[str], nproc: int) -> int:
+    """Re-run this command under torchrun with `nproc` ranks (the children see WORLD_SIZE > 1)."""
+    args = [a for a in argv]
+    if "--nproc" in args:
+        i = args.index("--nproc")
+        del args[i : i + 2]
+    args = [a for a in args if not a.startswith("--nproc=")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "bridge",
+        *args,
+    ]
+    print("launching:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    bad = [a for a in extra if "=" not in a or a.startswith("-")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if args.command in ("train", "demo"):
+        args.overrides = list(args.overrides) + extra
+    if args.command == "defaults":
+        from bridge.recipe import describe_schema
+
+        print(describe_schema())
+        return 0
+    if args.nproc < 1:
+        print("bridge: --nproc must be >= 1", file=sys.stderr)
+        return 2
+    if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _launch_torchrun(argv, args.nproc)
+
+    from bridge.recipe import RecipeError, load_recipe
+
+    recipe_path = DEMO_DIR / f"{args.name}.yaml" if args.command == "demo" else Path(args.recipe)
+    try:
+        recipe = load_recipe(recipe_path, args.overrides)
+    except RecipeError as exc:
+        print(f"bridge: recipe error: {exc}", file=sys.stderr)
+        return 2
+    from bridge.training.trainer import train
+
+    summary = train(recipe, args.output_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        report = {k: v for k, v in summary.items() if k != "eval"}
+        if "eval" in summary:
+            report["exact_match"] = summary["eval"]["exact_match"]
+            report["eval_n"] = summary["eval"]["n"]
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""End-of-run evaluation: generate for held-out items through runner.LLM with prompt embeds
+(via `Bridge`, the same path users call) and score exact match against the targets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bridge.data.example import normalize_text
+
+
+def evaluate_bridge(
+    bridge, dataset, *, num_items: int, max_tokens: int, num_samples: int = 10, chunk: int = 256
+) -> dict[str, Any]:
+    n = min(num_items, len(dataset))
+    if n < 1:
+        raise ValueError("the evaluation set is empty")
+    examples = [dataset[i] for i in range(n)]
+    texts: list[str] = []
+    for start in range(0, n, chunk):
+        part = examples[start : start + chunk]
+        outs = bridge.generate(
+            [{"text": ex.prompt, **ex.media} for ex in part], max_tokens=max_tokens, temperature=0.0
+        )
+        texts.extend(o.outputs[0].text for o in outs)
+    hits = [normalize_text(t) == normalize_text(ex.target) for t, ex in zip(texts, examples)]
+    samples = [
+        {"prompt": ex.prompt, "target": ex.target, "output": t, "match": h}
+        for ex, t, h in list(zip(examples, texts, hits))[:num_samples]
+    ]
+    return {"exact_match": sum(hits) / n, "n": n, "samples": samples}
+
+
+def evaluate_checkpoint(
+    ckpt: str | Path, dataset, eval_cfg, device: torch.device, out_path: str | Path | None = None
+) -> dict[str, Any]:
+    from bridge.api import Bridge
+
+    bridge = Bridge.from_checkpoint(ckpt, device=device, enforce_eager=eval_cfg.enforce_eager)
+    report = evaluate_bridge(
+        bridge,
+        dataset,
+        num_items=eval_cfg.num_items,
+        max_tokens=eval_cfg.max_tokens,
+        num_samples=eval_cfg.num_samples,
+    )
+    report["checkpoint"] = str(ckpt)
+    if out_path is not None:
+        Path(out_path).write_text(json.dumps(report, indent=2))
+    return report

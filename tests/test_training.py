@@ -1,0 +1,223 @@
+"""Trainer pieces and short real runs on the tiny graph recipe (the cheapest encoder on a CPU):
+stages and freezing, LoRA, schedule, grad accumulation, data order, outputs, atomic checkpoints
+and resume (a process killed mid-save)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bridge.recipe import apply_overrides, validate
+from bridge.training import checkpoint as ckpt_io
+from bridge.training.lora import LoRALinear, apply_lora, merge_lora
+from bridge.training.sampler import ResumableSampler
+from bridge.training.schedule import lr_multiplier
+from bridge.training.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BASE = {
+    "name": "t",
+    "seed": 0,
+    "stage": "align",
+    "model": {
+        "tiny": {
+            "hidden_size": 32,
+            "num_layers": 1,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "head_dim": 16,
+            "intermediate_size": 64,
+        }
+    },
+    "encoder": {
+        "modality": "graph",
+        "tower": {"name": "gin", "dim": 32, "num_layers": 2, "readout_tokens": 2},
+        "projector": {"name": "mlp", "num_layers": 2},
+    },
+    "data": {"source": "graphs", "prompt": "<graph>", "num_train": 64, "num_eval": 8},
+    "train": {
+        "batch_size": 4,
+        "max_steps": 3,
+        "lr": 1e-3,
+        "log_every": 1,
+        "progress": False,
+        "device": "cpu",
+    },
+    "eval": {"enabled": False, "num_items": 8, "max_tokens": 6},
+}
+
+
+def recipe(*overrides: str):
+    return validate(apply_overrides(BASE, list(overrides)))
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def test_lora_starts_as_identity_and_merges_exactly():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"q_proj": torch.nn.Linear(8, 6), "o": torch.nn.Linear(6, 3)})
+    x = torch.randn(5, 8)
+    before = model["o"](model["q_proj"](x))
+    assert apply_lora(model, ["q_proj"], rank=2, alpha=4.0) == ["q_proj"]
+    assert isinstance(model["q_proj"], LoRALinear)
+    assert torch.allclose(model["o"](model["q_proj"](x)), before)
+    with torch.no_grad():
+        model["q_proj"].lora_b.normal_()
+    adapted = model["o"](model["q_proj"](x))
+    assert not torch.allclose(adapted, before)
+    assert merge_lora(model) == 1 and isinstance(model["q_proj"], torch.nn.Linear)
+    assert torch.allclose(model["o"](model["q_proj"](x)), adapted, atol=1e-5)
+    with pytest.raises(ValueError, match="match no linear layer"):
+        apply_lora(model, ["nope"], rank=2, alpha=4.0)
+
+
+def test_schedule_warmup_then_cosine_and_linear():
+    kw = dict(warmup_steps=4, max_steps=14, min_lr_ratio=0.1)
+    assert [lr_multiplier(s, kind="cosine", **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_multiplier(9, kind="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_multiplier(14, kind="cosine", **kw) == pytest.approx(0.1)
+    assert lr_multiplier(9, kind="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_multiplier(9, kind="constant", **kw) == 1.0
+
+
+def test_sampler_ranks_partition_the_global_batch_and_epochs_reshuffle():
+    one = ResumableSampler(10, 4, seed=3)
+    r0 = ResumableSampler(10, 2, seed=3, rank=0, world_size=2)
+    r1 = ResumableSampler(10, 2, seed=3, rank=1, world_size=2)
+    for step in range(6):
+        assert one.micro_batch(step) == r0.micro_batch(step) + r1.micro_batch(step)
+    first_epoch = [i for s in range(5) for i in ResumableSampler(10, 2, seed=3).micro_batch(s)]
+    second_epoch = [i for s in range(5, 10) for i in ResumableSampler(10, 2, seed=3).micro_batch(s)]
+    assert sorted(first_epoch) == list(range(10)) == sorted(second_epoch)
+    assert first_epoch != second_epoch
+
+
+# ----------------------------------------------------------------------------- real runs
+
+
+def _params(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def test_align_stage_trains_projector_only(tmp_path):
+    t = Trainer(recipe(), tmp_path)
+    enc = t.encoders["graph"]
+    tower0, proj0, llm0 = _params(enc.tower), _params(enc.projector), _params(t.llm)
+    assert t.trainable_counts()["llm"] == 0 and t.trainable_counts()["tower"] == 0
+    t.run()
+    assert all(torch.equal(tower0[n], p) for n, p in enc.tower.named_parameters())
+    assert all(torch.equal(llm0[n], p) for n, p in t.llm.named_parameters())
+    assert any(not torch.equal(proj0[n], p) for n, p in enc.projector.named_parameters())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all({"loss", "lr"} <= set(r) for r in rows)
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    meta = ckpt_io.read_meta(tmp_path / "checkpoints" / "step_3")
+    assert meta["llm_dir"] == str((tmp_path / "base_model").resolve())  # frozen LLM: no copy
+    assert not (tmp_path / "checkpoints" / "step_3" / "llm").exists()
+
+
+def test_finetune_lora_trains_adapters_and_saves_merged_llm(tmp_path):
+    from bridge.training.lora import LoRALinear
+
+    t = Trainer(recipe("stage=finetune", "train.lora.rank=2"), tmp_path)
+    lora_layers = [m for m in t.llm.modules() if isinstance(m, LoRALinear)]
+    assert lora_layers and all(
+        n.endswith(("lora_a", "lora_b")) for n, p in t.llm.named_parameters() if p.requires_grad
+    )
+    t.run()
+    ckpt = tmp_path / "checkpoints" / "step_3"
+    assert ckpt_io.read_meta(ckpt)["llm_dir"] == "llm"
+    # the merged HF dir computes what the LoRA-wrapped model computes
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(ckpt / "llm")
+    ids = torch.tensor([[1, 9, 10, 11]])
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, t.llm(ids).logits, atol=1e-5)
+
+
+def test_grad_accumulation_matches_the_bigger_batch(tmp_path):
+    big = Trainer(recipe("train.batch_size=8", "train.max_steps=1"), tmp_path / "big")
+    acc = Trainer(
+        recipe("train.batch_size=4", "train.grad_accum_steps=2", "train.max_steps=1"), tmp_path / "acc"
+    )
+    assert big.train_step() == pytest.approx(acc.train_step(), abs=1e-6)
+    for (n, p), (_, q) in zip(big.model.encoders.named_parameters(), acc.model.encoders.named_parameters()):
+        assert torch.allclose(p, q, atol=1e-6), n
+
+
+def test_bf16_precision_runs(tmp_path):
+    t = Trainer(recipe("train.precision=bf16", "train.max_steps=2"), tmp_path)
+    assert t.run()["steps"] == 2
+    assert all(p.dtype == torch.float32 for p in t.model.encoders.parameters())
+
+
+def test_eval_json_through_runner(tmp_path):
+    summary = Trainer(recipe("eval.enabled=true", "train.max_steps=1"), tmp_path).run()
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["n"] == 8 and 0.0 <= report["exact_match"] <= 1.0
+    assert report == {**summary["eval"]} and len(report["samples"]) == 8
+    assert {"prompt", "target", "output", "match"} <= set(report["samples"][0])
+
+
+def _run_cli(out: Path, *overrides: str, env_extra: dict | None = None) -> subprocess.Popen:
+    recipe_path = out.parent / "r.yaml"
+    import yaml
+
+    recipe_path.write_text(yaml.safe_dump(BASE))
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen(
+        [sys.executable, "-m", "bridge", "train", str(recipe_path), "--output-dir", str(out), *overrides],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
+
+
+def test_kill_during_save_keeps_previous_checkpoint_and_resume_matches(tmp_path):
+    steps = ["train.max_steps=6", "train.checkpoint_every=2", "stage=finetune"]
+    # uninterrupted reference
+    ref = Trainer(recipe(*steps), tmp_path / "ref")
+    ref.run()
+    ref_rows = {
+        r["step"]: r for r in map(json.loads, (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines())
+    }
+
+    out = tmp_path / "run"
+    proc = _run_cli(out, *steps, env_extra={ckpt_io.SLEEP_HOOK_ENV: "4:60"})
+    tmp_dir = out / "checkpoints" / f".tmp-step_4-{proc.pid}"
+    deadline = time.time() + 50
+    while not (tmp_dir / "encoder").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert (tmp_dir / "encoder").exists(), proc.communicate()[0].decode()[-2000:]
+    proc.send_signal(signal.SIGKILL)  # mid-save: encoder written, no meta, not renamed
+    proc.wait()
+    assert [p.name for p in ckpt_io.list_checkpoints(out)] == ["step_2"]
+    assert ckpt_io.latest_checkpoint(out).name == "step_2"
+
+    from bridge.api import Bridge  # the surviving checkpoint loads and generates
+
+    bridge = Bridge.from_checkpoint(out, device="cpu")
+    graph = {"num_nodes": 4, "edges": [[0, 1], [1, 2], [2, 3]]}
+    assert bridge.build_requests([{"text": "<graph>", "graph": graph}])[0]["prompt_embeds"].shape[1] == 32
+
+    resumed = Trainer(recipe(*steps), out)
+    assert resumed.step == 2 and resumed.resumed_from.name == "step_2"
+    resumed.run()
+    rows = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):  # same data order, same LR, same weights -> same losses
+        assert rows[step]["loss"] == pytest.approx(ref_rows[step]["loss"], abs=1e-4)
+        assert rows[step]["lr"] == pytest.approx(ref_rows[step]["lr"])
+    assert [p.name for p in ckpt_io.list_checkpoints(out)] == ["step_2", "step_4", "step_6"]
