@@ -286,7 +286,7 @@ def sweep(workloads: list[Workload], scale: float, copy_bw: float, which: str = 
     best = {}
     decode_wls = [w for w in workloads if w.meta.is_decode_only] if which in ("all", "decode") else []
     print("\n# decode sweep (graph replay)")
-    for tile_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8)):
+    for tile_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)):
         cfg = DecodeConfig(tile_n=tile_n, num_warps=warps, num_stages=stages, num_splits=splits)
         for w in decode_wls:
             try:

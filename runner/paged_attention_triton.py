@@ -608,6 +608,8 @@ def paged_attention_triton(
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = key_cache.shape
     validate_triton_shapes(head_dim, block_size)
+    if meta.block_tables.dim() != 2 or meta.block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be 2-D with contiguous rows (stride 1 along the block axis)")
     num_reqs = meta.num_reqs
     if num_reqs == 0 or query.shape[0] == 0:
         return out
