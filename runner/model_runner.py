@@ -154,7 +154,7 @@ class ModelRunner:
         block_size: int,
         enable_prompt_embeds: bool,
         eos_token_ids: tuple[int, ...] = (),
-        fused_norm: bool | None = None,
+        fused_ops: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -171,13 +171,16 @@ class ModelRunner:
             model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
         )
         self.model = model.to(device).eval().requires_grad_(False)
-        if fused_norm is None:  # default: on the GPU, unless BRIDGE_FUSED_NORM=0 (A/B runs)
-            fused_norm = device.type == "cuda" and os.environ.get("BRIDGE_FUSED_NORM", "1") != "0"
-        self.num_fused_norms = 0
-        if fused_norm:
-            from runner.fused_norm import fuse_rmsnorms
+        # One-kernel RMSNorm and rotary (runner.fused_ops): on the GPU by default; BRIDGE_FUSED_OPS=0
+        # turns them off (A/B runs).
+        if fused_ops is None:
+            fused_ops = device.type == "cuda" and os.environ.get("BRIDGE_FUSED_OPS", "1") != "0"
+        self.num_fused_norms, self.fused_rotary = 0, False
+        if fused_ops:
+            from runner.fused_ops import fuse_rmsnorms, fuse_rotary
 
             self.num_fused_norms = fuse_rmsnorms(self.model)
+            self.fused_rotary = fuse_rotary(self.model)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()

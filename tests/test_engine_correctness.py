@@ -163,17 +163,20 @@ def test_cuda_graphs_match_eager_and_hf(family, model_dirs, hf_reference):
 
 def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_reference):
     """The GPU code path on the CPU: padded decode buckets on fixed buffer offsets (CUDA graphs
-    emulated by eager replays of the same body) and the Triton attention kernels under
-    TRITON_INTERPRET, with chunked prefill over a paged prefix and prompt embeddings."""
+    emulated by eager replays of the same body), decode windows, the fused RMSNorm, and then the
+    Triton attention and rotary kernels under TRITON_INTERPRET, with chunked prefill over a paged
+    prefix and prompt embeddings."""
     from runner.hf_attention import set_attention_backend
 
     model, prompts, expected = hf_reference["qwen3"]
     llm = LLM(model_dirs["qwen3"], enable_prompt_embeds=True, dtype="float32", device="cpu",
               num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=8)
     llm.runner.capture_cuda_graphs(emulate=True)
-    from runner.fused_norm import fuse_rmsnorms
+    llm.decode_window = 3
+    from runner import fused_ops
 
-    assert fuse_rmsnorms(llm.runner.model) == 2 * 4 + 1  # 4 norms per layer (qwen3) + the final norm
+    assert fused_ops.fuse_rmsnorms(llm.runner.model) == 2 * 4 + 1  # 4 norms per layer (qwen3) + final norm
+    assert fused_ops.fuse_rotary(llm.runner.model)
     picks = [0, 2, 4, 5, 1]  # five requests: decode steps run in the padded bucket of 8
     batch = [{"prompt_embeds": _embeds_of(model, prompts[i])} if i % 2 else {"prompt_token_ids": prompts[i]}
              for i in picks]
@@ -182,11 +185,13 @@ def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_refe
     assert eager == [expected[i][:6] for i in picks]
     assert llm.runner.num_graph_replays > 0
     previous = set_attention_backend("triton")
+    fused_ops.ROTARY_ON_CPU = True
     try:
         replays = llm.runner.num_graph_replays
         triton = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     finally:
         set_attention_backend(previous)
+        fused_ops.ROTARY_ON_CPU = False
     assert triton == eager
     assert llm.runner.num_graph_replays > replays
     _assert_all_free(llm)
@@ -195,7 +200,7 @@ def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_refe
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rmsnorm_matches_hf_modules(family, dtype, model_dirs, hf_reference):
-    from runner.fused_norm import FUSABLE_RMSNORM_CLASSES, rms_norm
+    from runner.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
 
     model = hf_reference[family][0]
     norms = [m for m in model.modules() if type(m).__name__ in FUSABLE_RMSNORM_CLASSES]
@@ -241,3 +246,40 @@ def test_decode_windows_match_hf_and_single_steps(family, model_dirs, hf_referen
         [(o.token_ids, o.finish_reason, o.stop_reason) for o in single]
     assert windowed[5].finish_reason == "stop" and windowed[5].token_ids[-1] == stop_id
     _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_rotary_matches_hf(family, hf_reference):
+    import sys
+
+    from runner import fused_ops
+    from runner.attention_metadata import ForwardContext, set_forward_context
+
+    model = hf_reference[family][0]
+    original = sys.modules[type(model).__module__].apply_rotary_pos_emb
+    original = getattr(original, "bridge_original", original)
+    g = torch.Generator().manual_seed(4)
+    t, d = 9, 16
+    # q/k laid out as HF makes them: (1, T, H, D) projections viewed as (1, H, T, D).
+    q = torch.randn(1, t, 4, d, generator=g).transpose(1, 2)
+    k = torch.randn(1, t, 2, d, generator=g).transpose(1, 2)
+    pos = torch.arange(t, dtype=torch.float32)[None, :, None] * torch.rand(d // 2, generator=g)
+    emb = torch.cat([pos, pos], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    expected = original(q, k, cos, sin)
+    assert fused_ops.rope_fusable(q, k, cos, sin) is False  # CPU tensors take HF's path by default
+    fused_ops.ROTARY_ON_CPU = True
+    try:
+        got = fused_ops.apply_rope(q, k, cos, sin)
+        assert fused_ops.fuse_rotary(model)
+        wrapped = sys.modules[type(model).__module__].apply_rotary_pos_emb
+        outside = wrapped(q, k, cos, sin)  # no Bridge forward context: HF's own function
+        with set_forward_context(ForwardContext(attn_metadata=None, kv_caches=[])):
+            inside = wrapped(q, k, cos, sin)
+    finally:
+        fused_ops.ROTARY_ON_CPU = False
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape and a.stride() == b.stride()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(outside, expected))
+    assert all(torch.equal(a, b) for a, b in zip(inside, got))
