@@ -198,10 +198,11 @@ class Scheduler:
     def decode_window_size(self, max_window: int, max_model_len: int) -> int:
         """How many greedy decode steps may run without looking at their tokens (1 = not now).
 
-        Only when nothing waits for admission, every running request decodes greedily with no
-        penalties, logprobs or pending min_tokens, and no request could pass its max_tokens or
-        the context within the window (so only EOS / stop strings / stop ids can make a window
-        step wasted, and those tokens are dropped).
+        Only when nothing waits for admission and every running request decodes greedily with
+        no penalties, logprobs or pending min_tokens. The window never reaches past any request's
+        context (`max_model_len`); a request that stops inside the window (EOS, stop ids or
+        strings, max_tokens) wastes the rest of it on its own KV blocks, and its later tokens are
+        dropped.
         """
         if max_window <= 1 or self.waiting or not self.running:
             return 1
@@ -211,7 +212,7 @@ class Scheduler:
             if (r.num_tokens - r.num_computed_tokens != 1 or not p.is_greedy or p.uses_penalties
                     or p.logprobs is not None or r.num_output_tokens < p.min_tokens):
                 return 1
-            k = min(k, p.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens)
+            k = min(k, max_model_len - r.num_tokens)
         return k
 
     def schedule_decode_window(self, k: int) -> SchedulerOutput | None:

@@ -245,6 +245,12 @@ def test_decode_windows_match_hf_and_single_steps(family, model_dirs, hf_referen
     assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in windowed] == \
         [(o.token_ids, o.finish_reason, o.stop_reason) for o in single]
     assert windowed[5].finish_reason == "stop" and windowed[5].token_ids[-1] == stop_id
+    # Different max_tokens in one window: each request stops at its own limit.
+    lengths = [1, 2, 3, 5, 7, 9, 11, 13]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == lengths
+    assert all(o.outputs[0].token_ids == e[:n] for o, e, n in zip(outs, expected, lengths) if len(e) >= n)
     _assert_all_free(llm)
 
 
