@@ -521,15 +521,21 @@ def _prefill_kernel(
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the decode kernel. `num_splits=None` picks from the grid size and SM count."""
+    """Launch parameters of the decode kernel. `num_splits=None` picks from the grid size and SM count.
 
-    tile_n: int = 64
+    Defaults from the H200 sweep (benchmarks/logs/attention_2026-11-29.log, Qwen3-0.6B shape, bf16):
+    tile 128 / 4 warps / 2 stages without a split gave 58.7 us (64% of copy bandwidth) on 64 x ~600 and
+    304 us (87%) on 256 x U[100, 2048]; splitting only lost time once (requests x KV heads) filled a wave.
+    At tile 128 a program holds ~254 registers x 128 threads, so two programs fit per SM.
+    """
+
+    tile_n: int = 128
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
     num_splits: int | None = None
     max_splits: int = 16
-    # Aim for about this many programs per SM before splitting further.
-    programs_per_sm: int = 4
+    # Programs resident per SM at these settings: splitting aims to fill one wave of them, no more.
+    programs_per_sm: int = 2
 
 
 @dataclass(frozen=True)
@@ -550,16 +556,18 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, config: DecodeConfig) -> int:
-    """Split the key range only while (requests x KV heads) leaves SMs idle.
+    """Split the key range only while (requests x KV heads) leaves resident-program slots idle.
 
-    Depends on the (padded) batch size and head count alone, never on sequence lengths, so a captured CUDA
-    graph stays valid for every replay.
+    The split count is the largest that still fits one wave (a second, partly filled wave costs more than
+    the idle slots it fills), and 1 once the unsplit grid fills a wave: on the H200 every split of a full
+    wave lost time to the partial writes and the reduce. Depends on the (padded) batch size and head count
+    alone, never on sequence lengths, so a captured CUDA graph stays valid for every replay.
     """
     if config.num_splits is not None:
         return max(1, config.num_splits)
-    target = _num_sms(device) * config.programs_per_sm
+    slots = _num_sms(device) * config.programs_per_sm
     base = max(1, num_reqs * num_kv_heads)
-    return int(min(config.max_splits, max(1, -(-target // base))))
+    return int(min(config.max_splits, max(1, slots // base)))
 
 
 def _default_prefill_config(
