@@ -186,7 +186,13 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None, help="where to build (or reuse) the model directory")
     ap.add_argument("--skip-w2", action="store_true")
     ap.add_argument("--hf-w2-subset", type=int, default=32)
+    ap.add_argument("--decode-window", type=int, default=None,
+                    help="greedy decode steps per host sync (default: the engine's, 8 with CUDA graphs)")
+    ap.add_argument("--no-fused-ops", action="store_true", help="keep HF's own RMSNorm and rotary (A/B)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (A/B)")
     args = ap.parse_args()
+    if args.no_fused_ops:
+        os.environ["BRIDGE_FUSED_OPS"] = "0"
 
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.cpu:
@@ -254,9 +260,15 @@ def main() -> int:
     max_len = max(p + o for _, (_, pl, ol) in specs.items() for p, o in zip(pl, ol))
     llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device,
               max_num_seqs=32 if args.cpu else 256, max_num_batched_tokens=2048 if args.cpu else 16384,
-              max_model_len=max_len + 16, gpu_memory_utilization=0.85)
+              max_model_len=max_len + 16, gpu_memory_utilization=0.85, enforce_eager=args.enforce_eager,
+              decode_window=args.decode_window)
     results["bridge_init_seconds"] = time.perf_counter() - t0
     results["kv_blocks"] = llm.num_total_blocks
+    results["engine"] = {
+        "cuda_graph_sizes": sorted(llm.runner.graphs), "decode_window": llm.decode_window,
+        "fused_rmsnorms": llm.runner.num_fused_norms, "fused_rotary": llm.runner.fused_rotary,
+        "max_num_seqs": llm.num_total_slots, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
+    }
     log(f"  ready in {results['bridge_init_seconds']:.1f}s, {llm.num_total_blocks} KV blocks")
 
     for name, (ids, prompt_lens, output_lens) in specs.items():
@@ -300,10 +312,17 @@ def main() -> int:
             }
         results["workloads"][name] = entry
     results["cuda_graph_replays"] = llm.runner.num_graph_replays
+    results["decode_windows"] = llm.runner.num_decode_windows
+    results["preemptions"] = llm.num_preemptions
 
     # --- summary
     print()
     print(f"Device: {results['device']}   model: {results['model']}")
+    eng = results["engine"]
+    print(f"engine: CUDA graphs {len(eng['cuda_graph_sizes'])} buckets, "
+          f"decode window {eng['decode_window']}, "
+          f"fused RMSNorm x{eng['fused_rmsnorms']}, fused rotary {eng['fused_rotary']}, "
+          f"{results['kv_blocks']} KV blocks, {results['preemptions']} preemptions")
     if not args.cpu:
         print(f"copy bandwidth {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
               f"bf16 matmul {results['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
