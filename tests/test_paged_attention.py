@@ -441,7 +441,7 @@ bf16 = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*b
             part_lse_ptr="*fp32")
 for splits in (1, 4):
     build(pat._decode_kernel, bf16, dict(UNIT, NUM_SPLITS=splits, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16,
-          TILE_N=64, IS_FP32=False), COMMON, num_warps=4, num_stages=3)
+          TILE_N=128, IS_FP32=False), COMMON, num_warps=4, num_stages=2)
 build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, NUM_SPLITS=3, SPLITS_PAD=4, HEAD_DIM=128), COMMON,
       num_warps=2)
 build(pat._prefill_kernel, bf16, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, G_PAD=2,
