@@ -30,6 +30,7 @@ from runner.inputs_embeds import InputsEmbedsBuilder
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from runner.request import Request
 from runner.sampler import Sampler, SamplingBatch
+from runner.sampling_params import SamplingParams
 from runner.scheduler import SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
@@ -219,41 +220,51 @@ class ModelRunner:
                                        self.max_blocks_per_req, self.device)
 
     @torch.inference_mode()
-    def profile_peak_memory(self) -> int:
-        """Activation peak of the largest step (CUDA only): sizes the KV cache under a memory budget."""
-        if self.device.type != "cuda":
+    def profile_peak_memory(self, *, force: bool = False) -> int:
+        """Activation peak of the largest step (CUDA): sizes the KV cache under a memory budget.
+
+        Runs one full step through the normal path (`execute`): `max_num_batched_tokens` prompt
+        tokens split over as few requests as the context allows, on a temporary KV cache just big
+        enough, then the sampler's worst case (softmax and sort of every slot's logits). `force`
+        runs it on the CPU too (tests); the measurement itself is CUDA-only.
+        """
+        if self.device.type != "cuda" and not force:
             return 0
-        t = self.max_num_batched_tokens
-        spec = self.kv_spec
-        n_blocks = -(-t // self.block_size)
-        self.kv_caches = allocate_kv_caches(spec, n_blocks, self.device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        st = self.staging
-        # One request holding every token, its blocks 0..n-1 (needs max_blocks_per_req >= n_blocks).
-        w = min(n_blocks, self.max_blocks_per_req)
-        t = min(t, w * self.block_size)
-        v = st.views(st.dev64, st.dev32, t, 1, w, min(t, self.max_num_seqs))
-        v.input_ids.zero_()
-        v.positions.copy_(torch.arange(t, device=self.device))
-        v.slot_mapping.copy_(torch.arange(t, device=self.device))
-        v.logits_indices.copy_(torch.arange(v.logits_indices.numel(), device=self.device))
-        v.query_start_loc.copy_(torch.tensor([0, t], device=self.device))
-        v.seq_lens.fill_(t)
-        v.block_tables.copy_(torch.arange(w, device=self.device).view(1, w))
-        meta = AttentionMetadata(v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
-                                 max_query_len=t, max_seq_len=t, num_reqs=1,
-                                 query_start_loc_cpu=[0, t], seq_lens_cpu=[t])
-        embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids)
-        logits = self._forward(embeds, v.positions, meta, v.logits_indices)
-        # The sampler's worst case: a few (rows, vocab) fp32 temporaries.
-        probs = torch.softmax(logits, dim=-1).sort(dim=-1)
-        del probs, logits
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.kv_caches = []
-        torch.cuda.empty_cache()
+        bs = self.block_size
+        lens: list[int] = []
+        left = self.max_num_batched_tokens
+        while left > 0 and len(lens) < self.max_num_seqs:
+            lens.append(min(left, self.max_model_len))
+            left -= lens[-1]
+        n_blocks = sum(-(-n // bs) for n in lens)
+        saved_caches, saved_steps = self.kv_caches, self.num_forward_steps
+        self.kv_caches = allocate_kv_caches(self.kv_spec, n_blocks, self.device)
+        reqs: list[Request] = []
+        next_block = 0
+        for i, n in enumerate(lens):
+            req = Request(f"profile-{i}", i, [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
+            req.slot = i
+            req.block_ids = list(range(next_block, next_block + -(-n // bs)))
+            next_block += len(req.block_ids)
+            reqs.append(req)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device) if cuda else 0
+        self.execute(SchedulerOutput(reqs, lens, [True] * len(lens)))
+        worst = torch.zeros(self.max_num_seqs, self.vocab_size, dtype=torch.float32, device=self.device)
+        worst = torch.softmax(worst, dim=-1).sort(dim=-1)
+        del worst
+        peak = 0
+        if cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_caches = saved_caches
+        self.num_blocks_known[:] = 0
+        self.num_forward_steps = saved_steps
+        if cuda:
+            torch.cuda.empty_cache()
         return int(peak)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

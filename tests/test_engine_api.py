@@ -264,3 +264,16 @@ def test_abort_frees_blocks_and_slots(llm):
         llm.scheduler.abort_request(f"abort-{i}")
     assert not llm.scheduler.has_unfinished()
     _assert_all_free(llm)
+
+
+def test_profile_step_leaves_the_engine_clean(llm):
+    """The memory-profiling step (run at construction on the GPU) goes through `execute` with more
+    tokens than one context holds; afterwards the engine generates exactly as before."""
+    prompt = {"prompt_token_ids": _ids(12, 12)}
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    steps = llm.num_steps
+    assert llm.runner.profile_peak_memory(force=True) == 0  # measured on CUDA only
+    assert llm.num_steps == steps
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
+    _assert_all_free(llm)
