@@ -64,7 +64,15 @@ class _ParsedPrompt:
 
 
 class LLM:
-    """An in-process generation engine over a local Hugging Face model directory."""
+    """An in-process generation engine over a local Hugging Face model directory.
+
+    Arguments beyond vLLM's familiar ones: `num_kv_blocks` fixes the KV pool size (otherwise it
+    comes from `kv_cache_memory` bytes, or on the GPU from `gpu_memory_utilization` after a
+    profiling step; 256 MiB on the CPU). `decode_window` is how many greedy decode steps run back
+    to back between host syncs when every running request is a plain greedy decode (default 8
+    with CUDA graphs, 1 otherwise). Counters for tests and monitoring: `num_free_blocks`,
+    `num_total_blocks`, `num_free_slots`, `num_total_slots`, `num_steps`, `num_preemptions`.
+    """
 
     def __init__(
         self,
