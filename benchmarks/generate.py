@@ -198,6 +198,9 @@ def main() -> int:
     if device.type == "cpu" and not args.cpu:
         log("no CUDA device: running the --cpu benchmark")
         args.cpu = True
+    if args.cpu:
+        # Tiny ops are dominated by OpenMP contention on a shared box; one thread for both engines.
+        torch.set_num_threads(1)
     model_dir = pathlib.Path(args.model_dir or tempfile.gettempdir()) / (
         "bridge_bench_tiny" if args.cpu else "bridge_bench_qwen3_06b")
     if args.model_dir:
