@@ -54,6 +54,8 @@ class Trainer:
     def __init__(self, recipe: Node, output_dir: str | Path | None = None):
         self.recipe = recipe
         self.output_dir = Path(output_dir) if output_dir else default_output_dir(recipe)
+        if recipe.train.cpu_threads > 0:
+            torch.set_num_threads(recipe.train.cpu_threads)
         self.device = pick_device(recipe.train.device, local_rank_from_env())
         self.dist: DistInfo = init_distributed(self.device)
         torch.manual_seed(recipe.seed)
