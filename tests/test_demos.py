@@ -85,3 +85,41 @@ def test_full_demo_reaches_target(name, tmp_path):
     report = json.loads((out / "eval.json").read_text())
     assert report["n"] >= 200
     assert report["exact_match"] >= 0.9, report["samples"]
+
+
+def test_bridge_api_generates_like_the_evaluation(tmp_path, capsys):
+    """Bridge.from_checkpoint(...).generate with a PIL image gives what eval.json recorded, and the
+    request it hands the runner is one (n, hidden) tensor with the is_token_ids mask and token ids."""
+    import torch
+
+    from bridge.api import Bridge
+
+    out = tmp_path / "shapes"
+    assert (
+        main(
+            [
+                "demo",
+                "shapes",
+                "--output-dir",
+                str(out),
+                "train.max_steps=2",
+                "train.progress=false",
+                "eval.num_items=3",
+                "data.num_train=16",
+                "train.batch_size=4",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    report = json.loads((out / "eval.json").read_text())
+    bridge = Bridge.from_checkpoint(out, device="cpu")
+    recipe = load_recipe(ROOT / "recipes" / "demo" / "shapes.yaml")
+    _, held_out = build_datasets(recipe.data, recipe.seed)
+    prompts = [{"text": held_out[i].prompt, "image": held_out[i].media["image"][0]} for i in range(3)]
+    request = bridge.build_requests(prompts[:1])[0]
+    embeds, mask, ids = request["prompt_embeds"], request["prompt_is_token_ids"], request["prompt_token_ids"]
+    rows = bridge.encoders["image"].num_rows(prompts[0]["image"])
+    assert embeds.shape == (len(ids), 64) and mask.dtype == torch.bool and int((~mask).sum()) == rows
+    outs = bridge.generate(prompts, max_tokens=recipe.eval.max_tokens)
+    assert [o.outputs[0].text for o in outs] == [s["output"] for s in report["samples"]]

@@ -1,9 +1,9 @@
 """Synthetic graph set: small graphs of a known kind -> "a <kind> with <n> nodes" (n spelled out).
 
-Kinds: cycle, path, star, complete, wheel; 4 to 9 nodes. Node labels are shuffled per item, so the
-encoder must read structure (degrees, connectivity), not ids. Items are dicts in the encoders'
-JSON graph format (`{"num_nodes": n, "edges": [[u, v], ...]}`), featureless: the tower's degree
-embedding and size features are what it sees.
+Kinds: cycle, path, star, clique (complete graph), wheel; 4 to 9 nodes. Node labels are shuffled
+per item, so the encoder must read structure (degrees, connectivity), not ids. Items are dicts in
+the encoders' JSON graph format (`{"num_nodes": n, "edges": [[u, v], ...]}`), featureless: the
+tower sees degree embeddings, and the demo recipe adds an exact node-count embedding.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 
 from bridge.data.example import Example
 
-KINDS: tuple[str, ...] = ("cycle", "path", "star", "complete", "wheel")
+KINDS: tuple[str, ...] = ("cycle", "path", "star", "clique", "wheel")
 SIZES: tuple[int, ...] = (4, 5, 6, 7, 8, 9)
 NUMBER_WORDS: dict[int, str] = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
 
@@ -24,7 +24,7 @@ def kind_edges(kind: str, n: int) -> list[tuple[int, int]]:
         return [(i, (i + 1) % n) for i in range(n)]
     if kind == "star":
         return [(0, i) for i in range(1, n)]
-    if kind == "complete":
+    if kind == "clique":  # the complete graph
         return [(i, j) for i in range(n) for j in range(i + 1, n)]
     if kind == "wheel":  # hub 0 plus a cycle over 1..n-1
         rim = list(range(1, n))
