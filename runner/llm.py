@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +20,12 @@ import torch
 
 from runner.block_manager import BlockManager
 from runner.kv_cache import determine_num_blocks
+from runner.llm_mm import MultimodalLLMMixin
+from runner.mm_prompt import ExpandedPrompt
 from runner.model_runner import MAX_DECODE_WINDOW, ModelRunner
 from runner.model_states import load_hf_config, resolve_model_state_cls
 from runner.outputs import RequestOutput
+from runner.prefix_cache import PrefixCachingBlockManager
 from runner.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, Request
 from runner.sampling_params import SamplingParams
 from runner.scheduler import Scheduler
@@ -36,7 +39,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }  # fmt: skip
-_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "prompt_is_token_ids"}
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "prompt_is_token_ids", "multi_modal_data"}
 # Extra room reserved on the GPU beyond the profiled peak: CUDA graphs, allocator slack.
 _GPU_HEADROOM_BYTES = 1 << 30
 
@@ -61,9 +64,10 @@ class _ParsedPrompt:
     token_ids: list[int]
     embeds: torch.Tensor | None = None
     is_token_ids: torch.Tensor | None = None
+    mm: ExpandedPrompt | None = None
 
 
-class LLM:
+class LLM(MultimodalLLMMixin):
     """An in-process generation engine over a local Hugging Face model directory.
 
     Arguments beyond vLLM's familiar ones: `num_kv_blocks` fixes the KV pool size (otherwise it
@@ -91,11 +95,19 @@ class LLM:
         enforce_eager: bool = False,
         seed: int = 0,
         decode_window: int | None = None,
+        encoders: Mapping[str, Any] | None = None,
+        enable_prefix_caching: bool = False,
+        async_scheduling: bool | None = None,
+        encoder_cache_budget: int | None = None,
     ) -> None:
         model_dir = str(model)
         config = load_hf_config(model_dir)
         self.model_state_cls = resolve_model_state_cls(config)
-        self.model_state_cls.check_supported(config, enable_prompt_embeds=enable_prompt_embeds)
+        self.async_scheduling = self.model_state_cls.check_supported(
+            config, enable_prompt_embeds=enable_prompt_embeds, async_scheduling=async_scheduling,
+            has_mm=bool(encoders),
+            realtime=any(getattr(e, "is_realtime", False) for e in (encoders or {}).values()))
+        self._async_scheduling_requested = async_scheduling
         self.config = config
         self.enable_prompt_embeds = enable_prompt_embeds
 
@@ -140,7 +152,9 @@ class LLM:
             self.runner.set_max_model_len(max_model_len)
         self.max_model_len = max_model_len
         self.runner.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_manager = (PrefixCachingBlockManager(num_blocks, block_size) if enable_prefix_caching
+                              else BlockManager(num_blocks, block_size))
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             on_admit=self.runner.add_request, on_release=self.runner.remove_request,
@@ -155,6 +169,7 @@ class LLM:
             raise ValueError(f"decode_window must be in [1, {MAX_DECODE_WINDOW}], got {decode_window}")
         self.decode_window = decode_window
         self._request_counter = itertools.count()
+        self._init_multimodal(encoders, encoder_cache_budget, max_num_batched_tokens)
 
     # ----------------------------------------------------------------------------- helpers
     @staticmethod
@@ -216,6 +231,8 @@ class LLM:
         vocab = self.runner.vocab_size
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            return self._parse_mm_prompt(i, prompt)
         if not isinstance(prompt, dict):
             raise ValueError(f"prompt {i}: expected a str or a dict, got {type(prompt).__name__}")
         unknown = set(prompt) - _PROMPT_KEYS
@@ -353,6 +370,8 @@ class LLM:
         scheduler, runner = self.scheduler, self.runner
         while scheduler.has_unfinished():
             k = scheduler.decode_window_size(self.decode_window, self.max_model_len) if runner.graphs else 1
+            if k > 1 and self._mm_rows_pending():  # decode windows skip the encoder-row gather
+                k = 1
             if k > 1 and runner.can_replay(len(scheduler.running)):
                 out = scheduler.schedule_decode_window(k)
                 if out is not None:
@@ -380,6 +399,8 @@ class LLM:
             eos_token_ids=frozenset(self.eos_token_ids), max_model_len=self.max_model_len,
             generator=generator,
         )
+        if parsed.mm is not None:
+            self._attach_mm(req, parsed.mm)
         if params.stop_strings:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         return req

@@ -168,7 +168,12 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
 
-        model = AutoModelForCausalLM.from_pretrained(
+        model_cls = AutoModelForCausalLM
+        if getattr(config, "model_type", None) in ("qwen2_vl", "qwen2_5_vl"):
+            # No causal-LM class for these in transformers 5: load the full model and run its text
+            # model + LM head (the vision tower is Bridge's encoders' business, not the runner's).
+            from transformers import AutoModelForImageTextToText as model_cls
+        model = model_cls.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
         )
         self.model = model.to(device).eval().requires_grad_(False)
@@ -199,6 +204,8 @@ class ModelRunner:
 
             self.prompt_embeds_state = PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device)
         self.num_embeds_reqs = 0
+        # runner.mm_state.MultimodalState, set by the LLM: encoders, encoder cache, M-RoPE positions.
+        self.mm = None
         self.sampler = Sampler()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: torch.Tensor | None = None
@@ -284,20 +291,25 @@ class ModelRunner:
             self.prompt_embeds_state.add_request(slot, request.request_id, request.prompt_embeds,
                                                  request.is_token_ids)
             self.num_embeds_reqs += 1
+        if self.mm is not None:
+            self.mm.add_request(request)
 
     def remove_request(self, request: Request) -> None:
         """Called before the slot goes back to the free list: its model state must be gone first."""
         if request.prompt_embeds is not None:
             self.prompt_embeds_state.remove_request(request.request_id)
             self.num_embeds_reqs -= 1
+        if self.mm is not None:
+            self.mm.remove_request(request)
         self.num_blocks_known[request.slot] = 0
 
     # ----------------------------------------------------------------------------- forward
     def _forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits_indices: torch.Tensor | None) -> torch.Tensor:
+        # positions: (T,) or, on M-RoPE models, (3, T) -> position_ids (3, 1, T).
         with set_forward_context(ForwardContext(meta, self.kv_caches)):
             hidden = self.decoder(
-                inputs_embeds=embeds.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False
+                inputs_embeds=embeds.unsqueeze(0), position_ids=positions.unsqueeze(-2), use_cache=False
             ).last_hidden_state[0]
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
@@ -381,7 +393,23 @@ class ModelRunner:
         """Run one scheduled step and sample; the one host sync reads the sampled tokens."""
         sd = self._stage(so)
         v, t, r, bucket, sample_rows = sd.views, sd.t, sd.r, sd.bucket, sd.sample_rows
-        embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids)
+        positions = v.positions
+        mm = self.mm.gather_step(so.requests, so.num_scheduled_tokens) if self.mm is not None else None
+        if mm is None:
+            embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids)
+        else:  # media rows scattered where is_mm_embed (padding rows of a graph bucket never are)
+            embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids[:t], None, mm.mm_embeds,
+                                               mm.is_mm_embed)
+            if v.input_ids.shape[0] > t:
+                self.embeds_builder.build(self.embed_tokens, v.input_ids[t:], out=self.embeds_builder.buffer[
+                    t : v.input_ids.shape[0]])
+        if self.mm is not None and self.mm.uses_mrope:
+            if sd.decode_only:  # decode position = index + delta in all three rows
+                deltas = self.mm.decode_deltas(so.requests)
+                if deltas is not None:
+                    v.positions[:r] += deltas
+            else:
+                positions = self.mm.step_positions(so.requests, so.num_scheduled_tokens)
         if self.num_embeds_reqs:
             self.prompt_embeds_state.apply(embeds[:t], v.idx_mapping[:r], v.query_start_loc[: r + 1],
                                            v.num_computed_by_slot)
@@ -399,7 +427,7 @@ class ModelRunner:
                 is_decode_only=sd.decode_only,
                 query_start_loc_cpu=[0, *sd.cu.tolist()], seq_lens_cpu=sd.seq_lens.tolist(),
             )
-            logits = self._forward(embeds, v.positions, meta, v.logits_indices)
+            logits = self._forward(embeds, positions, meta, v.logits_indices)
         self.num_forward_steps += 1
 
         result = self._sample(so, logits[: len(sample_rows)])
@@ -423,13 +451,16 @@ class ModelRunner:
         sd = self._stage(so)
         v, r, bucket, bs = sd.views, sd.r, sd.bucket, self.block_size
         assert bucket is not None and sd.decode_only and len(sd.sample_rows) == r
+        deltas = self.mm.decode_deltas(so.requests) if self.mm is not None and self.mm.uses_mrope else None
+        if deltas is not None:  # M-RoPE: positions carry the delta; KV slots come from the index
+            v.positions[:r] += deltas
         tokens = self.window_tokens
         for j in range(k):
             if j:
                 v.input_ids[:r].copy_(tokens[j - 1, :r])
                 v.positions[:r] += 1
                 v.seq_lens[:r] += 1
-                pos = v.positions[:r]
+                pos = v.positions[:r] if deltas is None else v.positions[:r] - deltas
                 block = v.block_tables[:r].gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1))
                 v.slot_mapping[:r].copy_(block.squeeze(1).long() * bs + pos % bs)
             self.embeds_builder.build(self.embed_tokens, v.input_ids)

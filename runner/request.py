@@ -100,6 +100,13 @@ class Request:
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    # Multimodal state (runner.mm_prompt / runner.mm_state): media and passthrough items sorted by
+    # offset (realtime chunks are appended while the request runs); M-RoPE prompt positions (3, n)
+    # and decode delta on M-RoPE models; chained prefix-cache hashes of its full blocks.
+    mm_features: list = field(default_factory=list)
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
     _real_prompt_ids: list[int] | None = field(default=None, repr=False)
     # Tokens whose KV the request needs: prompt plus everything generated so far. A plain field
     # (kept in step by `append_output_token`) because the scheduler reads it for every request

@@ -170,9 +170,10 @@ class Scheduler:
             while (budget > 0 and self.waiting and self.free_slots
                    and len(self.running) < self.max_num_seqs):
                 request = self.waiting[0]
-                _, num_cached = bm.get_computed_blocks(request)  # prefix-cache hook (none yet)
+                _, num_cached = bm.get_computed_blocks(request)  # prefix-cache hits join its table
                 n = min(request.num_tokens - num_cached, budget)
                 if not bm.allocate_slots(request, num_cached + n):
+                    bm.free(request)  # give back the hits taken above; retried next step
                     break
                 self.waiting.popleft()
                 request.num_computed_tokens = num_cached

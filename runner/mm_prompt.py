@@ -1,0 +1,158 @@
+"""Prompts with media: placeholder expansion and the features of one request.
+
+A multimodal prompt is text (or token ids) holding one placeholder token per item, plus
+`multi_modal_data = {modality: [item, ...]}`. Before anything runs, each placeholder expands to
+the number of rows its item will produce (`encoder.num_rows(item)`, or the passthrough tensor's
+row count), so the request's length, its KV blocks and its positions are final when it is
+scheduled. Items are matched to placeholders of their modality in order; a count mismatch is a
+`ValueError`.
+
+The expanded prompt keeps the placeholder id at every item position (so prefix-cache keys and
+penalties see a stable id) and marks those positions False in `is_token_ids`: assembly never
+embeds them, penalties never count them, and the encoder-cache gather fills them.
+
+Placeholder tokens: `<image>`, `<audio>`, `<graph>`, `<embeds>` (for the passthrough modality
+"prompt_embeds"), or `<modality>` in general; an encoder may name its own with a `placeholder`
+attribute. An encoder may also offer `grid_thw(item) -> (t, h, w)` (in LLM tokens, `t*h*w ==
+num_rows`): on an M-RoPE model such items get 3-D positions; everything else is positioned as text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runner.encoder_cache import MultiModalFeature, PlaceholderRange, make_feature, sort_features
+from runner.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
+from runner.model_states import MRopeItem
+
+DEFAULT_PLACEHOLDERS = {"image": "<image>", "audio": "<audio>", "graph": "<graph>",
+                        PROMPT_EMBEDS_MODALITY: "<embeds>"}
+
+
+def placeholder_token(modality: str, encoder: Any = None) -> str:
+    """The placeholder token text of a modality (an encoder's own `placeholder` wins)."""
+    own = getattr(encoder, "placeholder", None)
+    if isinstance(own, str) and own:
+        return own
+    return DEFAULT_PLACEHOLDERS.get(modality, f"<{modality}>")
+
+
+@dataclass
+class ExpandedPrompt:
+    """A multimodal prompt after expansion: ids, the token mask, features (sorted), M-RoPE items."""
+
+    token_ids: list[int]
+    is_token_ids: torch.Tensor
+    features: list[MultiModalFeature]
+    mrope_items: list[MRopeItem] = field(default_factory=list)
+
+
+def check_passthrough_item(tensor: Any, hidden_size: int, where: str) -> None:
+    """A "prompt_embeds" item must be a finite 2-D floating tensor of the model's hidden size."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{where}: a prompt_embeds item must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 2 or not tensor.is_floating_point():
+        raise ValueError(f"{where}: a prompt_embeds item must be a 2-D floating tensor, got "
+                         f"{tensor.dtype} of shape {tuple(tensor.shape)}")
+    if tensor.shape[0] == 0 or tensor.shape[1] != hidden_size:
+        raise ValueError(f"{where}: a prompt_embeds item must be (n >= 1, hidden={hidden_size}), got "
+                         f"{tuple(tensor.shape)}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"{where}: a prompt_embeds item contains NaN or Inf")
+
+
+def item_num_rows(modality: str, item: Any, encoders: Mapping[str, EncoderProtocol], hidden_size: int,
+                  where: str) -> int:
+    if modality == PROMPT_EMBEDS_MODALITY:
+        check_passthrough_item(item, hidden_size, where)
+        return int(item.shape[0])
+    encoder = encoders.get(modality)
+    if encoder is None:
+        raise ValueError(f"{where}: no encoder registered for modality {modality!r} (pass "
+                         "LLM(..., encoders={...}) or call llm.register_encoder)")
+    n = encoder.num_rows(item)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"{where}: encoder for {modality!r} says the item has {n!r} rows; need an int >= 1")
+    return n
+
+
+def item_grid(modality: str, item: Any, encoders: Mapping[str, EncoderProtocol], num_rows: int,
+              where: str) -> tuple[int, int, int] | None:
+    """(t, h, w) in LLM tokens from the encoder's optional `grid_thw(item)`, checked against the rows."""
+    encoder = encoders.get(modality)
+    grid_fn = getattr(encoder, "grid_thw", None)
+    if modality == PROMPT_EMBEDS_MODALITY or not callable(grid_fn):
+        return None
+    grid = grid_fn(item)
+    if grid is None:
+        return None
+    t, h, w = (int(v) for v in grid)
+    if t * h * w != num_rows:
+        raise ValueError(f"{where}: grid_thw {(t, h, w)} has {t * h * w} cells, the item {num_rows} rows")
+    return t, h, w
+
+
+def expand_mm_prompt(
+    token_ids: Sequence[int],
+    mm_data: Mapping[str, Any],
+    placeholder_ids: Mapping[str, int],
+    encoders: Mapping[str, EncoderProtocol],
+    hidden_size: int,
+    *,
+    where: str = "prompt",
+) -> ExpandedPrompt:
+    """Expand every placeholder of `token_ids` to its item's rows; build the features.
+
+    `placeholder_ids[modality]` is the id of the modality's placeholder token. Items of a
+    modality are matched to its placeholders in order. Raises `ValueError` for an unknown
+    modality, a count mismatch, or a bad item.
+    """
+    if not isinstance(mm_data, Mapping):
+        raise ValueError(f"{where}: multi_modal_data must be a dict {{modality: [items]}}")
+    items: dict[str, list[Any]] = {}
+    for modality, value in mm_data.items():
+        if modality not in placeholder_ids:
+            raise ValueError(f"{where}: modality {modality!r} has no encoder and no placeholder token; "
+                             f"known: {sorted(placeholder_ids)}")
+        seq = list(value) if isinstance(value, list | tuple) else [value]
+        items[modality] = seq
+    modality_of_id = {pid: m for m, pid in placeholder_ids.items() if m in items}
+    counts = {m: 0 for m in items}
+    for t in token_ids:
+        m = modality_of_id.get(t)
+        if m is not None:
+            counts[m] += 1
+    for modality, seq in items.items():
+        if counts[modality] != len(seq):
+            raise ValueError(f"{where}: {counts[modality]} placeholder(s) for modality {modality!r} but "
+                             f"{len(seq)} item(s) in multi_modal_data")
+
+    out_ids: list[int] = []
+    mask: list[bool] = []
+    features: list[MultiModalFeature] = []
+    mrope_items: list[MRopeItem] = []
+    used = {m: 0 for m in items}
+    for t in token_ids:
+        m = modality_of_id.get(t)
+        if m is None:
+            out_ids.append(int(t))
+            mask.append(True)
+            continue
+        item = items[m][used[m]]
+        item_where = f"{where}: {m} item {used[m]}"
+        used[m] += 1
+        n = item_num_rows(m, item, encoders, hidden_size, item_where)
+        offset = len(out_ids)
+        features.append(make_feature(m, item, PlaceholderRange(offset, n), encoders))
+        mrope_items.append(MRopeItem(offset, n, item_grid(m, item, encoders, n, item_where)))
+        out_ids.extend([int(t)] * n)
+        mask.extend([False] * n)
+    return ExpandedPrompt(out_ids, torch.tensor(mask, dtype=torch.bool), sort_features(features), mrope_items)
+
+
+__all__ = ["DEFAULT_PLACEHOLDERS", "ExpandedPrompt", "check_passthrough_item", "expand_mm_prompt",
+           "placeholder_token"]
