@@ -31,6 +31,19 @@ class TokenizedPrompt:
     spans: list[Span] = field(default_factory=list)
 
 
+_PER_TOKENIZER: dict[int, tuple[object, dict[str, int], list[int]]] = {}
+
+
+def _tokenizer_facts(tokenizer) -> tuple[dict[str, int], list[int]]:
+    """(placeholder fill ids, special prefix), computed once per tokenizer object: they are asked
+    for on every example of every step."""
+    hit = _PER_TOKENIZER.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        hit = (tokenizer, placeholder_fill_ids(tokenizer), _special_prefix(tokenizer))
+        _PER_TOKENIZER[id(tokenizer)] = hit
+    return hit[1], hit[2]
+
+
 def placeholder_fill_ids(tokenizer) -> dict[str, int]:
     """Modality -> the id written at its placeholder positions.
 
@@ -62,8 +75,7 @@ def tokenize_prompt(
     for mod in {m for m, items in media.items() if items}:
         if mod not in num_rows:
             raise ValueError(f"no encoder for {mod!r} items (encoders: {sorted(num_rows)})")
-    fill = placeholder_fill_ids(tokenizer)
-    prefix = _special_prefix(tokenizer)
+    fill, prefix = _tokenizer_facts(tokenizer)
     out = TokenizedPrompt(list(prefix), [True] * len(prefix))
     seen: dict[str, int] = {}
     pos = 0
