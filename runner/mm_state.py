@@ -58,7 +58,7 @@ class MultimodalState:
         self.cache = EncoderCache(budget_tokens, hidden_size, dtype, device)
         # Counters for tests and metrics.
         self.num_gathers = 0  # steps that scattered encoder rows
-        self.num_decode_gathers = 0  # ... of which some rows went to a decoding request
+        self.num_decode_gathers = 0  # ... of which some rows went to a request past its prefill
         for encoder in check_encoders(encoders).values():
             self.register_encoder(encoder)
 
@@ -144,8 +144,14 @@ class MultimodalState:
         if not gathered.has_embeds:
             return None
         self.num_gathers += 1
-        if any(req.num_computed_tokens >= req.num_prompt_tokens for req in requests if req.mm_features):
-            self.num_decode_gathers += 1
+        start = 0
+        for window in windows:  # did rows go to a request past its prefill?
+            end = start + window.num_scheduled_tokens
+            past_prefill = window.num_computed_tokens >= window.prompt_len
+            if past_prefill and bool(gathered.is_mm_embed_cpu[start:end].any()):
+                self.num_decode_gathers += 1
+                break
+            start = end
         return gathered
 
     def step_positions(self, requests: Sequence[Request], num_scheduled: Sequence[int]) -> torch.Tensor:
