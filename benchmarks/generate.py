@@ -30,6 +30,7 @@ import os
 import pathlib
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -170,6 +171,25 @@ def build_model(path: pathlib.Path, cpu: bool) -> pathlib.Path:
     return build_tiny_model(path, "qwen3", seed=0, dtype=torch.bfloat16, **QWEN3_06B)
 
 
+def profile_paths(llm, prompts_of: dict, output_lens: list[int], device) -> None:
+    """Where the time goes on each path: torch.profiler's top operators by CPU and by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for path, prompts in prompts_of.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_bridge(llm, prompts, output_lens, device)
+        for key in ("self_cpu_time_total", "self_cuda_time_total"):
+            log(f"profile of the {path} path, top operators by {key}")
+            print(prof.key_averages().table(sort_by=key, row_limit=12), flush=True)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The median throughput of repeated runs (tokens from the last run, for the match check)."""
+    tok_s = statistics.median(r["tok_s"] for r in runs)
+    return {**runs[-1], "tok_s": tok_s, "seconds": runs[-1]["seconds"] * runs[-1]["tok_s"] / tok_s,
+            "all_tok_s": [r["tok_s"] for r in runs]}
+
+
 def workload(n: int, lo: int, hi: int, out_lo: int, out_hi: int, vocab: int, seed: int):
     rng = random.Random(seed)
     prompt_lens = [rng.randint(lo, hi) for _ in range(n)]
@@ -185,6 +205,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="JSON output path (default: $OUT/generate_benchmark.json)")
     ap.add_argument("--model-dir", default=None, help="where to build (or reuse) the model directory")
     ap.add_argument("--skip-w2", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="timed runs per path after one warm-up run (the median is reported)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables for W1 (both paths)")
     ap.add_argument("--hf-w2-subset", type=int, default=32)
     ap.add_argument("--decode-window", type=int, default=None,
                     help="greedy decode steps per host sync (default: the engine's, 8 with CUDA graphs)")
@@ -277,15 +300,20 @@ def main() -> int:
     for name, (ids, prompt_lens, output_lens) in specs.items():
         embeds_prompts = [{"prompt_embeds": e} for e in embeds_of[name]]
         id_prompts = [{"prompt_token_ids": i} for i in ids]
-        # Warm-up (Triton specialisations, allocator): a shortened copy of the workload.
-        run_bridge(llm, embeds_prompts[:48], [min(o, 16) for o in output_lens[:48]], device)
-        run_bridge(llm, id_prompts[:48], [min(o, 16) for o in output_lens[:48]], device)
-        log(f"{name}: Bridge embeds path")
-        emb = run_bridge(llm, embeds_prompts, output_lens, device)
-        log(f"  {emb['tok_s']:.0f} tok/s in {emb['seconds']:.2f}s")
-        log(f"{name}: Bridge token-id path")
-        tok = run_bridge(llm, id_prompts, output_lens, device)
-        log(f"  {tok['tok_s']:.0f} tok/s in {tok['seconds']:.2f}s")
+        # Warm-up (Triton specialisations, allocator): one full run of each path, alternating, then
+        # the timed runs alternate too, so neither path pays the other's first-use costs.
+        runs: dict[str, list[dict]] = {"embeds": [], "ids": []}
+        for rep in range(args.repeats + 1):
+            for path, prompts in (("ids", id_prompts), ("embeds", embeds_prompts)):
+                res = run_bridge(llm, prompts, output_lens, device)
+                label = "warm-up" if rep == 0 else f"run {rep}"
+                log(f"{name}: Bridge {path} path ({label}): {res['tok_s']:.0f} tok/s "
+                    f"in {res['seconds']:.2f}s")
+                if rep:
+                    runs[path].append(res)
+        emb, tok = median_run(runs["embeds"]), median_run(runs["ids"])
+        if args.profile and name == "W1":
+            profile_paths(llm, {"ids": id_prompts, "embeds": embeds_prompts}, output_lens, device)
         entry = {
             "requests": len(ids), "prompt_tokens": sum(prompt_lens), "output_tokens": sum(output_lens),
             "bridge_embeds_tok_s": emb["tok_s"], "bridge_token_ids_tok_s": tok["tok_s"],
