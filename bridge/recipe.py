@@ -153,6 +153,13 @@ SCHEMA: dict[str, Any] = {
             "fp32", "fp32, or bf16 autocast (trainable weights stay fp32).", (str,), ("fp32", "bf16")
         ),
         "device": Field("auto", "auto (cuda if present), cpu or cuda.", (str,), ("auto", "cpu", "cuda")),
+        "cache_tower_outputs": Field(
+            False,
+            "Keep a frozen tower's outputs per training item in device memory and run only the "
+            "projector when an item comes back: epochs after the first skip preprocessing and the "
+            "tower. Memory: items x rows x tower width. Needs a frozen, non-streaming tower.",
+            (bool,),
+        ),
         "cpu_threads": Field(
             0,
             "torch CPU threads (0: torch's default). Tiny models train several times faster with 1 "

@@ -221,3 +221,17 @@ def test_kill_during_save_keeps_previous_checkpoint_and_resume_matches(tmp_path)
         assert rows[step]["loss"] == pytest.approx(ref_rows[step]["loss"], abs=1e-4)
         assert rows[step]["lr"] == pytest.approx(ref_rows[step]["lr"])
     assert [p.name for p in ckpt_io.list_checkpoints(out)] == ["step_2", "step_4", "step_6"]
+
+
+def test_tower_output_cache_matches_uncached_and_skips_the_tower_on_repeats(tmp_path):
+    steps = ["data.num_train=8", "train.max_steps=4"]  # batch 4: two epochs of the 8 items
+    plain = Trainer(recipe(*steps), tmp_path / "plain")
+    cached = Trainer(recipe(*steps, "train.cache_tower_outputs=true"), tmp_path / "cached")
+    calls = []
+    cached.encoders["graph"].tower.register_forward_hook(lambda mod, inp, out: calls.append(1))
+    for _ in range(4):
+        assert plain.train_step() == pytest.approx(cached.train_step(), abs=1e-6)
+    assert len(calls) == 2  # epoch 1 only: 2 batches of new items; epoch 2 is all cached
+    assert len(cached.model.tower_cache) == 8
+    with pytest.raises(ValueError, match="frozen, non-streaming tower"):
+        Trainer(recipe("train.cache_tower_outputs=true", "train.trainable.tower=true"), tmp_path / "bad")

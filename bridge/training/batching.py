@@ -7,7 +7,7 @@ CPU and collated per modality in the order the rows will be scattered back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,10 @@ class TrainBatch:
     encoder_inputs: dict[str, Any]  # modality -> collated batch for that encoder
     first_item: dict[str, list[int]]  # modality -> index of each prompt's first item in the batch
     num_items: dict[str, int]
+    # tower-output caching (train.cache_tower_outputs): every item's cache key, in batch order, and
+    # the keys of the items that were preprocessed (not cached yet) in `encoder_inputs` order
+    item_keys: dict[str, list[Any]] | None = None
+    new_keys: dict[str, list[Any]] | None = None
 
     def to(self, device: torch.device) -> TrainBatch:
         for name in ("input_ids", "is_token", "attention_mask", "labels"):
@@ -40,15 +44,18 @@ def collate_examples(
     examples: Sequence[Example],
     tokenizer,
     encoders: Mapping[str, Any],
-    preprocess: Callable[[str, Any, Any], Any] | None = None,
     keys: Sequence[Any] | None = None,
+    cached: Container | None = None,
 ) -> TrainBatch:
-    """Build a TrainBatch. `preprocess(modality, key, item)` may serve cached preprocessed items
-    (keys identify items across epochs); by default each encoder's own `preprocess` runs."""
+    """Build a TrainBatch. `keys[i]` identifies example i across epochs (its dataset index); items
+    whose key `(modality, keys[i], j)` is in `cached` (the trainer's tower-output cache) are not
+    preprocessed at all."""
     num_rows = {m: enc.num_rows for m, enc in encoders.items()}
     prompts, seqs, labels = [], [], []
     processed: dict[str, list[Any]] = {m: [] for m in encoders}
     first_item: dict[str, list[int]] = {m: [] for m in encoders}
+    all_keys: dict[str, list[Any]] = {m: [] for m in encoders}
+    new_keys: dict[str, list[Any]] = {m: [] for m in encoders}
     for i, ex in enumerate(examples):
         tp = tokenize_prompt(tokenizer, ex.prompt, ex.media, num_rows)
         target = tokenize_target(tokenizer, ex.target)
@@ -56,10 +63,14 @@ def collate_examples(
         seqs.append((tp.ids + target, tp.is_token + [True] * len(target)))
         labels.append([IGNORE] * len(tp.ids) + target)
         for m in encoders:
-            first_item[m].append(len(processed[m]))
+            first_item[m].append(len(all_keys[m]))
             for j, item in enumerate(ex.media.get(m, [])):
-                key = None if keys is None else (keys[i], j)
-                processed[m].append(preprocess(m, key, item) if preprocess else encoders[m].preprocess(item))
+                key = None if keys is None else (m, keys[i], j)
+                all_keys[m].append(key)
+                if cached is not None and key in cached:
+                    continue
+                new_keys[m].append(key)
+                processed[m].append(encoders[m].preprocess(item))
     longest = max(len(ids) for ids, _ in seqs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     b = len(seqs)
@@ -82,5 +93,7 @@ def collate_examples(
         prompts,
         encoder_inputs,
         first_item,
-        {m: len(v) for m, v in processed.items()},
+        {m: len(v) for m, v in all_keys.items()},
+        item_keys=all_keys if cached is not None else None,
+        new_keys=new_keys if cached is not None else None,
     )

@@ -23,12 +23,27 @@ class BridgeModel(nn.Module):
         super().__init__()
         self.encoders = nn.ModuleDict(encoders)
         self.llm = llm
+        #: frozen-tower outputs by item key (train.cache_tower_outputs); None = no caching
+        self.tower_cache: dict | None = None
+
+    def encoder_rows(self, modality: str, batch: TrainBatch) -> list[torch.Tensor]:
+        """Rows of every item of `modality` in the batch. With the tower cache on, only items seen
+        for the first time run the (frozen) tower; every item runs the projector."""
+        enc = self.encoders[modality]
+        if self.tower_cache is None or batch.item_keys is None:
+            return enc(batch.encoder_inputs[modality])
+        if modality in batch.encoder_inputs:
+            with torch.no_grad():
+                fresh = enc.tower_rows(batch.encoder_inputs[modality])
+            for key, feats in zip(batch.new_keys[modality], fresh):
+                self.tower_cache[key] = feats.detach()
+        return enc.project_rows([self.tower_cache[k] for k in batch.item_keys[modality]])
 
     def input_embeds(self, batch: TrainBatch) -> torch.Tensor:
         embed = self.llm.get_input_embeddings()
         safe_ids = batch.input_ids.masked_fill(~batch.is_token, 0)
         token_embeds = embed(safe_ids)
-        rows_by_modality = {m: self.encoders[m](inputs) for m, inputs in batch.encoder_inputs.items()}
+        rows_by_modality = {m: self.encoder_rows(m, batch) for m, n in batch.num_items.items() if n}
         rows = ordered_rows(batch.prompts, rows_by_modality, batch.first_item)
         return scatter_rows(token_embeds, batch.is_token, rows)
 

@@ -73,6 +73,13 @@ class Trainer:
         self.plan = stage_plan(recipe)
         apply_stage(self.plan, encoder, self.llm, recipe.train.lora)
         self.model = BridgeModel({encoder.modality: encoder}, self.llm).to(self.device)
+        if recipe.train.cache_tower_outputs:
+            if self.plan.tower or encoder.is_realtime:
+                raise ValueError(
+                    "train.cache_tower_outputs needs a frozen, non-streaming tower "
+                    "(train.trainable.tower false)"
+                )
+            self.model.tower_cache = {}
         self.encoders = {encoder.modality: encoder}
 
         tr = recipe.train
@@ -125,6 +132,12 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------ loop
+    def set_train_mode(self) -> None:
+        """Train mode for what trains; a fully frozen LLM stays in eval mode (once, not per step)."""
+        self.train_module.train()
+        if not any(p.requires_grad for p in self.llm.parameters()):
+            self.llm.eval()
+
     def _autocast(self):
         if self.recipe.train.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -133,14 +146,18 @@ class Trainer:
     def _micro_batch(self, micro_step: int):
         indices = self.sampler.micro_batch(micro_step)
         examples = [self.train_set[i] for i in indices]
-        return collate_examples(examples, self.tokenizer, self.encoders).to(self.device)
+        cache = self.model.tower_cache
+        return collate_examples(examples, self.tokenizer, self.encoders, keys=indices, cached=cache).to(
+            self.device
+        )
 
     def train_step(self) -> float:
         """One optimizer step (grad accumulation inside); returns the step's loss averaged over
         its micro-batches and ranks."""
         tr = self.recipe.train
         accum = tr.grad_accum_steps
-        self.train_module.train()
+        if not self.model.training:
+            self.set_train_mode()
         total = 0.0
         for k in range(accum):
             batch = self._micro_batch(self.step * accum + k)
