@@ -167,3 +167,26 @@ def test_non_realtime_engine_never_gathers_in_decode(model_dir):
         llm.append_input(rid, _chunk(6), modality="image")
     llm.abort_request(rid)
     assert llm.num_free_blocks == llm.num_total_blocks
+
+
+def test_streamed_rows_through_decode_graph_buckets(model_dir):
+    """Decode steps replaying a (CPU-emulated) CUDA-graph bucket, with padding rows, scatter streamed
+    rows exactly like eager steps."""
+    results = []
+    for emulate in (False, True):
+        llm = LLM(model_dir, encoders={"audio": StreamEncoder()}, device="cpu", num_kv_blocks=64,
+                  max_num_seqs=4)
+        if emulate:
+            llm.runner.capture_cuda_graphs(emulate=True)
+        rids = [llm.add_request({"prompt_token_ids": PROMPT_IDS[: 3 + i]}, PARAMS) for i in range(3)]
+        llm.step()
+        llm.step()
+        llm.append_input(rids[1], _chunk(7))
+        final = {}
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                final[out.request_id] = out.outputs[0].token_ids
+        assert llm.mm.num_decode_gathers > 0
+        assert (llm.runner.num_graph_replays > 0) == emulate
+        results.append([final[r] for r in rids])
+    assert results[0] == results[1]
