@@ -123,3 +123,25 @@ def test_bridge_api_generates_like_the_evaluation(tmp_path, capsys):
     assert embeds.shape == (len(ids), 64) and mask.dtype == torch.bool and int((~mask).sum()) == rows
     outs = bridge.generate(prompts, max_tokens=recipe.eval.max_tokens)
     assert [o.outputs[0].text for o in outs] == [s["output"] for s in report["samples"]]
+
+
+def test_bridge_from_recipe_generates_with_an_untrained_encoder(tmp_path):
+    from bridge.api import Bridge
+
+    bridge = Bridge.from_recipe(ROOT / "recipes" / "demo" / "graphs.yaml", output_dir=tmp_path, device="cpu")
+    graph = {"num_nodes": 5, "edges": [[0, 1], [1, 2], [2, 3], [3, 4], [4, 0]]}
+    outs = bridge.generate([{"text": "<graph>", "graph": graph}, "plain text, no media"], max_tokens=4)
+    assert len(outs) == 2 and all(len(o.outputs[0].token_ids) >= 1 for o in outs)
+    with pytest.raises(ValueError, match="placeholders"):
+        bridge.build_requests([{"text": "<graph> <graph>", "graph": graph}])
+
+
+def test_cli_reports_recipe_errors_and_prints_defaults(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "recipes" / "demo" / "graphs.yaml").read_text() + "\ntrian: {}\n")
+    assert main(["train", str(bad), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "unknown key 'trian' (did you mean 'train'?)" in capsys.readouterr().err
+    assert main(["train", str(ROOT / "recipes" / "demo" / "graphs.yaml"), "train.lr=-1"]) == 2
+    assert "train.lr: must be > 0" in capsys.readouterr().err
+    assert main(["defaults"]) == 0
+    assert "train.cache_tower_outputs = False" in capsys.readouterr().out
