@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 # Most greedy decode steps run back to back without a host sync (see `execute_decode_window`).
-MAX_DECODE_WINDOW = 16
+MAX_DECODE_WINDOW = 32
 
 
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
