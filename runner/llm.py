@@ -22,7 +22,7 @@ from runner.block_manager import BlockManager
 from runner.kv_cache import determine_num_blocks
 from runner.llm_mm import MultimodalLLMMixin
 from runner.mm_prompt import ExpandedPrompt
-from runner.model_runner import MAX_DECODE_WINDOW, ModelRunner
+from runner.model_runner import DEFAULT_DECODE_WINDOW, MAX_DECODE_WINDOW, ModelRunner
 from runner.model_states import load_hf_config, resolve_model_state_cls
 from runner.outputs import RequestOutput
 from runner.prefix_cache import PrefixCachingBlockManager
@@ -73,8 +73,9 @@ class LLM(MultimodalLLMMixin):
     Arguments beyond vLLM's familiar ones: `num_kv_blocks` fixes the KV pool size (otherwise it
     comes from `kv_cache_memory` bytes, or on the GPU from `gpu_memory_utilization` after a
     profiling step; 256 MiB on the CPU). `decode_window` is how many greedy decode steps run back
-    to back between host syncs when every running request is a plain greedy decode (default 8
-    with CUDA graphs, 1 otherwise). Counters for tests and monitoring: `num_free_blocks`,
+    to back between host syncs when every running request is a plain greedy decode (default 32
+    with CUDA graphs, 1 otherwise; nothing waiting is admitted inside a window, so a smaller
+    window trades throughput for admission latency). Counters for tests and monitoring: `num_free_blocks`,
     `num_total_blocks`, `num_free_slots`, `num_total_slots`, `num_steps`, `num_preemptions`.
     """
 
@@ -164,7 +165,7 @@ class LLM(MultimodalLLMMixin):
             self.runner.capture_cuda_graphs()
         # Greedy decode steps run up to this many at a time between host syncs (CUDA graphs only).
         if decode_window is None:
-            decode_window = 8 if self.use_cuda_graphs else 1
+            decode_window = DEFAULT_DECODE_WINDOW if self.use_cuda_graphs else 1
         if not 1 <= decode_window <= MAX_DECODE_WINDOW:
             raise ValueError(f"decode_window must be in [1, {MAX_DECODE_WINDOW}], got {decode_window}")
         self.decode_window = decode_window
