@@ -32,12 +32,15 @@ FUSABLE_RMSNORM_CLASSES = frozenset(
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, eps,
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, n_inner, stride_a, stride_b, eps,
                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Input row r sits at (r // n_inner) * stride_a + (r % n_inner) * stride_b: a strided view such as
+    # the q part of a fused q/k/v projection is read in place; the output is contiguous.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
-    x = tl.load(x_ptr + rows * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    x_off = (rows // n_inner) * stride_a + (rows % n_inner) * stride_b
+    x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=1) / n_cols
     rstd = tl.rsqrt(var + eps)
     y = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -46,22 +49,28 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, eps,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, Hugging Face semantics; returns a new tensor."""
+    """RMSNorm over the last dimension, Hugging Face semantics; returns a new (contiguous) tensor.
+
+    `x` may be a strided view whose last dimension has unit stride (no copy when its leading
+    dimensions merge into one stride).
+    """
     n_cols = x.shape[-1]
-    x2 = x.reshape(-1, n_cols)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    n_rows = x2.shape[0]
-    if n_rows == 0:
-        return out.view(x.shape)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if x.numel() == 0:
+        return out
+    x3 = x.reshape(-1, x.shape[-2] if x.dim() >= 2 else 1, n_cols)  # a view whenever dims merge
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    n_inner = x3.shape[1]
+    n_rows = x3.shape[0] * n_inner
     block_n = triton.next_power_of_2(n_cols)
     block_r = max(1, min(64, 4096 // block_n))
     _rmsnorm_kernel[(triton.cdiv(n_rows, block_r),)](
-        x2, weight, out, n_rows, n_cols, eps, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4
+        x3, weight, out, n_rows, n_cols, n_inner, x3.stride(0), x3.stride(1), eps,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4,
     )
-    return out.view(x.shape)
+    return out
 
 
 def _fused_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

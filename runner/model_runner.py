@@ -183,12 +183,17 @@ class ModelRunner:
         # turns them off (A/B runs).
         if fused_ops is None:
             fused_ops = device.type == "cuda" and os.environ.get("BRIDGE_FUSED_OPS", "1") != "0"
-        self.num_fused_norms, self.fused_rotary = 0, False
+        self.num_fused_norms, self.fused_rotary, self.num_fused_linears = 0, False, (0, 0)
         if fused_ops:
             from runner.fused_ops import fuse_rmsnorms, fuse_rotary
 
             self.num_fused_norms = fuse_rmsnorms(self.model)
             self.fused_rotary = fuse_rotary(self.model)
+            # One q/k/v GEMM and one gate/up GEMM + SiLU*mul (runner.fused_linear); BRIDGE_FUSED_LINEAR=0 A/B.
+            if os.environ.get("BRIDGE_FUSED_LINEAR", "1") != "0":
+                from runner.fused_linear import fuse_linears
+
+                self.num_fused_linears = fuse_linears(self.model)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
