@@ -293,6 +293,7 @@ def main() -> int:
     results["engine"] = {
         "cuda_graph_sizes": sorted(llm.runner.graphs), "decode_window": llm.decode_window,
         "fused_rmsnorms": llm.runner.num_fused_norms, "fused_rotary": llm.runner.fused_rotary,
+        "fused_linears": list(getattr(llm.runner, "num_fused_linears", (0, 0))),
         "max_num_seqs": llm.num_total_slots, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
     }
     log(f"  ready in {results['bridge_init_seconds']:.1f}s, {llm.num_total_blocks} KV blocks")
@@ -353,6 +354,7 @@ def main() -> int:
     print(f"engine: CUDA graphs {len(eng['cuda_graph_sizes'])} buckets, "
           f"decode window {eng['decode_window']}, "
           f"fused RMSNorm x{eng['fused_rmsnorms']}, fused rotary {eng['fused_rotary']}, "
+          f"fused MLP/QKV {eng['fused_linears']}, "
           f"{results['kv_blocks']} KV blocks, {results['preemptions']} preemptions")
     if not args.cpu:
         print(f"copy bandwidth {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
