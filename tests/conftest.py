@@ -29,3 +29,13 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model_root(tmp_path_factory):
     """A session-wide folder for tiny Hugging Face model directories (built once, reused)."""
     return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Tiny-model engine tests run on one torch thread: on a shared 2-core machine, OpenMP across
+    both cores costs more in contention than it gains on matrices this small."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

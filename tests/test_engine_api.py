@@ -17,12 +17,7 @@ from runner.tiny_models import build_tiny_model, write_config_only_model
 MAX_MODEL_LEN = 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

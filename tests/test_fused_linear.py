@@ -20,12 +20,7 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 NUM_LAYERS = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

@@ -45,12 +45,7 @@ class GridImageEncoder:
         return [item.reshape(-1, 3) @ self.proj for item in items]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

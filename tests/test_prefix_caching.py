@@ -17,7 +17,10 @@ from runner.prefix_cache import PrefixCachingBlockManager
 from runner.sampling_params import SamplingParams
 from runner.tiny_models import build_tiny_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:async scheduling turned off")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:async scheduling turned off"),
+    pytest.mark.usefixtures("one_cpu_thread"),
+]
 
 HIDDEN = 64
 BS = 4
@@ -41,12 +44,6 @@ class TinyImageEncoder:
         return [item.reshape(-1, 3) @ self.proj for item in items]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

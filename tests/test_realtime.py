@@ -15,7 +15,10 @@ from runner.llm import LLM
 from runner.sampling_params import SamplingParams
 from runner.tiny_models import build_tiny_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:async scheduling turned off")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:async scheduling turned off"),
+    pytest.mark.usefixtures("one_cpu_thread"),
+]
 
 HIDDEN = 64
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -56,12 +59,6 @@ class ImageEncoder:
         return [i.clone() for i in items]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_cpu_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
