@@ -9,10 +9,13 @@ preprocessing) and their captions, prompt "<image>\\nDescribe the image.", batch
 The baseline is what one writes by hand with transformers: encoder rows and token embeddings
 concatenated into `inputs_embeds`, `model(inputs_embeds=..., attention_mask=..., labels=...)`,
 backward, step. Both loops include their data preparation (drawing, preprocessing, tokenizing)
-in the timed region and see the same examples.
+in the timed region, see the same examples and use the same optimizer (AdamW, fused on CUDA,
+same betas / weight decay / grad clip). The three contenders are timed in interleaved rounds
+with the order rotated each round (median reported), so none gains from running first or last;
+the host time spent building batches is reported per contender.
 
     python3 benchmarks/train_throughput.py             # GPU, < 5 min (builds a 0.6B model dir first)
-    python3 benchmarks/train_throughput.py --small --device cpu --steps 3   # smoke test anywhere
+    python3 benchmarks/train_throughput.py --small --device cpu --steps 2 --rounds 2   # smoke test
 """
 
 from __future__ import annotations
@@ -73,26 +76,39 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_bridge(recipe, out_dir: Path, args, extra_warmup: int = 0) -> tuple[float, float]:
+class PrepTimer:
+    """Host time spent building batches (drawing, preprocessing, tokenizing, collating, copying
+    in): pure CPU work, so perf_counter around it needs no device sync."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+def make_bridge(recipe, out_dir: Path, args):
+    """Bridge's trainer; returns (step function, prep timer, optimizer description)."""
     from bridge.training.trainer import Trainer
 
     trainer = Trainer(recipe, out_dir)
-    for _ in range(args.warmup + extra_warmup):
-        trainer.train_step()
-    sync(trainer.device)
-    t0 = time.perf_counter()
-    loss = 0.0
-    for _ in range(args.steps):
-        loss = trainer.train_step()
-    sync(trainer.device)
-    rate = args.steps * args.batch / (time.perf_counter() - t0)
-    del trainer
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return rate, loss
+    timer = PrepTimer()
+    trainer._micro_batch = timer.wrap(trainer._micro_batch)
+    opt = f"AdamW fused={getattr(trainer, 'fused_optimizer', False)}"
+    return (lambda i: trainer.train_step()), timer, opt
 
 
-def bench_plain_hf(recipe, model_dir: Path, args) -> tuple[float, float]:
-    """The hand-written baseline: inputs_embeds + labels into the HF model."""
+def make_plain_hf(recipe, model_dir: Path, args):
+    """The hand-written baseline: inputs_embeds + labels into the HF model. Same examples, same
+    encoder, same optimizer settings as the trainer (AdamW, fused on CUDA, weight decay 0,
+    grad clip 1.0), so only the step's design differs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bridge.data.sources import build_datasets
@@ -107,17 +123,30 @@ def bench_plain_hf(recipe, model_dir: Path, args) -> tuple[float, float]:
     torch.manual_seed(0)
     enc = build_encoder({**recipe.encoder, "llm_hidden_size": llm.config.hidden_size}).to(device)
     enc.set_trainable(tower=False, projector=True)
-    opt = torch.optim.AdamW([p for p in enc.parameters() if p.requires_grad], lr=1e-3)
+    fused = device.type == "cuda"
+    tr = recipe.train
+    opt = torch.optim.AdamW(
+        [p for p in enc.parameters() if p.requires_grad],
+        lr=tr.lr,
+        betas=tuple(tr.betas),
+        weight_decay=tr.weight_decay,
+        **({"fused": True} if fused else {}),
+    )
     train, _ = build_datasets(recipe.data, recipe.seed)
-    sampler = ResumableSampler(len(train), args.batch, seed=0)
+    sampler = ResumableSampler(len(train), args.batch, seed=recipe.seed)
     embed = llm.get_input_embeddings()
     before, after = PROMPT.split("<image>")
     pre_ids = tok(before, add_special_tokens=True, return_tensors="pt").input_ids[0].to(device)
     post_ids = tok(after, add_special_tokens=False, return_tensors="pt").input_ids[0].to(device)
+    timer = PrepTimer()
+
+    @timer.wrap
+    def prepare(i: int):
+        examples = [train[j] for j in sampler.micro_batch(i)]
+        return examples, enc.collate([enc.preprocess(ex.media["image"][0]) for ex in examples])
 
     def step(i: int) -> float:
-        examples = [train[j] for j in sampler.micro_batch(i)]
-        batch = enc.collate([enc.preprocess(ex.media["image"][0]) for ex in examples])
+        examples, batch = prepare(i)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             rows = enc(batch)
             seqs, labels = [], []
@@ -140,27 +169,60 @@ def bench_plain_hf(recipe, model_dir: Path, args) -> tuple[float, float]:
                 mask[k, : s.shape[0]] = 1
             loss = llm(inputs_embeds=inputs, attention_mask=mask, labels=lab).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in enc.parameters() if p.requires_grad], 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in enc.parameters() if p.requires_grad], tr.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    for i in range(args.warmup):
-        step(i)
-    sync(device)
-    t0 = time.perf_counter()
-    loss = 0.0
-    for i in range(args.warmup, args.warmup + args.steps):
-        loss = step(i)
-    sync(device)
-    return args.steps * args.batch / (time.perf_counter() - t0), loss
+    return step, timer, f"AdamW fused={fused}"
+
+
+def interleaved(contenders: dict, args, device: torch.device) -> dict:
+    """Warm every contender up, then `rounds` rounds of `steps` timed steps each, the order
+    rotated every round, so no contender is favoured by running first or last (clocks, caches,
+    allocator state). Reports the median round per contender."""
+    counters = {name: 0 for name in contenders}
+    for name, c in contenders.items():
+        for _ in range(args.warmup + c.get("extra_warmup", 0)):
+            c["last_loss"] = c["step"](counters[name])
+            counters[name] += 1
+    rates = {name: [] for name in contenders}
+    prep = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            c = contenders[name]
+            sync(device)
+            c["timer"].seconds = 0.0
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                c["last_loss"] = c["step"](counters[name])
+                counters[name] += 1
+            sync(device)
+            elapsed = time.perf_counter() - t0
+            rates[name].append(args.steps * args.batch / elapsed)
+            prep[name].append(c["timer"].seconds / args.steps * 1e3)
+    out = {}
+    for name in names:
+        k = sorted(range(len(rates[name])), key=lambda j: rates[name][j])[len(rates[name]) // 2]
+        out[name] = {
+            "samples_per_s": rates[name][k],
+            "all_rounds": [round(x, 1) for x in rates[name]],
+            "ms_per_step": args.batch / rates[name][k] * 1e3,
+            "prep_ms_per_step": prep[name][k],
+            "last_loss": contenders[name]["last_loss"],
+            "optimizer": contenders[name]["optimizer"],
+        }
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (median reported)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--small", action="store_true", help="tiny LLM + tiny ViT (smoke test)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -178,8 +240,6 @@ def main() -> None:
             flush=True,
         )
         recipe = validate(recipe_dict(model_dir, args))
-        bridge_rate, bridge_loss = bench_bridge(recipe, Path(tmp) / "run", args)
-        print(f"bridge trainer : {bridge_rate:8.1f} samples/s (last loss {bridge_loss:.3f})", flush=True)
         # repeated epochs with the frozen tower's outputs cached: a small train set, one epoch of
         # warm-up fills the cache, the timed steps are all repeat visits
         epoch_steps = 4
@@ -188,28 +248,50 @@ def main() -> None:
             | {"data": {**recipe_dict(model_dir, args)["data"], "num_train": epoch_steps * args.batch}}
         )
         cached_recipe.train["cache_tower_outputs"] = True
-        cached_rate, _ = bench_bridge(cached_recipe, Path(tmp) / "run_cached", args, extra_warmup=epoch_steps)
+        contenders = {}
+        for name, make in (
+            ("bridge trainer", lambda: make_bridge(recipe, Path(tmp) / "run", args)),
+            ("bridge + cache", lambda: make_bridge(cached_recipe, Path(tmp) / "run_cached", args)),
+            ("plain HF loop", lambda: make_plain_hf(recipe, model_dir, args)),
+        ):
+            step, timer, opt = make()
+            contenders[name] = {"step": step, "timer": timer, "optimizer": opt}
+        contenders["bridge + cache"]["extra_warmup"] = epoch_steps
+        device = torch.device(args.device)
+        res = interleaved(contenders, args, device)
+    notes = {
+        "bridge + cache": "frozen tower outputs cached, repeat epochs",
+        "plain HF loop": "inputs_embeds + labels, full-vocab logits",
+    }
+    for name, r in res.items():
         print(
-            f"bridge + cache : {cached_rate:8.1f} samples/s (frozen tower outputs cached, repeat epochs)",
+            f"{name:15s}: {r['samples_per_s']:8.1f} samples/s  {r['ms_per_step']:7.1f} ms/step "
+            f"(host data prep {r['prep_ms_per_step']:6.1f} ms/step; rounds {r['all_rounds']}; "
+            f"{r['optimizer']}; last loss {r['last_loss']:.3f}) {notes.get(name, '')}",
             flush=True,
         )
-        hf_rate, hf_loss = bench_plain_hf(recipe, model_dir, args)
-        print(f"plain HF loop  : {hf_rate:8.1f} samples/s (last loss {hf_loss:.3f})", flush=True)
+    bridge_rate = res["bridge trainer"]["samples_per_s"]
+    cached_rate = res["bridge + cache"]["samples_per_s"]
+    hf_rate = res["plain HF loop"]["samples_per_s"]
     ratio = bridge_rate / hf_rate
     print(
         f"ratio bridge / plain HF: {ratio:.2f}x; with the tower cache on repeat epochs: "
-        f"{cached_rate / hf_rate:.2f}x"
+        f"{cached_rate / hf_rate:.2f}x (median of {args.rounds} interleaved rounds of {args.steps} steps)"
     )
     result = {
         "workload": "vision align, ViT-B-32 frozen + MLP, Qwen3-0.6B-shaped bf16 frozen, batch "
         f"{args.batch}" + (" (small)" if args.small else ""),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "steps": args.steps,
+        "rounds": args.rounds,
+        "optimizer": res["bridge trainer"]["optimizer"] + " (both loops)",
         "bridge_samples_per_s": round(bridge_rate, 1),
         "plain_hf_samples_per_s": round(hf_rate, 1),
         "ratio": round(ratio, 3),
         "bridge_cached_tower_samples_per_s": round(cached_rate, 1),
         "ratio_cached": round(cached_rate / hf_rate, 3),
+        "prep_ms_per_step": {k: round(v["prep_ms_per_step"], 1) for k, v in res.items()},
+        "all_rounds": {k: v["all_rounds"] for k, v in res.items()},
     }
     print("| workload | Bridge samples/s | Bridge + tower cache, repeats | plain HF samples/s | ratios |")
     print("|---|---|---|---|---|")

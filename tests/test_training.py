@@ -235,3 +235,37 @@ def test_tower_output_cache_matches_uncached_and_skips_the_tower_on_repeats(tmp_
     assert len(cached.model.tower_cache) == 8
     with pytest.raises(ValueError, match="frozen, non-streaming tower"):
         Trainer(recipe("train.cache_tower_outputs=true", "train.trainable.tower=true"), tmp_path / "bad")
+
+
+def test_step_indices_from_the_collate_give_the_reference_embeds_and_loss(tmp_path):
+    """The sync-free step (index tensors built on the CPU) equals the straightforward reference:
+    rows placed where is_token is False (scatter_rows) and per-sample mean cross-entropy from the
+    full LM head (`llm(inputs_embeds, labels)`), averaged over samples."""
+    from bridge.data.prompt_embeds import ordered_rows, scatter_rows
+    from bridge.training.batching import IGNORE
+
+    trainer = Trainer(recipe("train.batch_size=5"), tmp_path / "run")
+    batch = trainer._micro_batch(0)
+    b, length = batch.input_ids.shape
+    flat_is_token = batch.is_token.reshape(-1)
+    assert torch.equal(batch.row_slots, (~flat_is_token).nonzero().squeeze(1))
+    shifted = batch.labels[:, 1:]
+    where = shifted != IGNORE
+    expected_pos = (torch.arange(b)[:, None] * length + torch.arange(length - 1)[None, :])[where]
+    assert torch.equal(batch.target_pos, expected_pos)
+    assert torch.equal(batch.target_ids, shifted[where])
+    assert float(batch.target_weight.sum()) == pytest.approx(1.0)
+
+    model = trainer.model.eval()
+    with torch.no_grad():
+        embeds = model.input_embeds(batch)
+        token_embeds = trainer.llm.get_input_embeddings()(batch.input_ids.masked_fill(~batch.is_token, 0))
+        rows = ordered_rows(batch.prompts, {"graph": model.encoder_rows("graph", batch)}, batch.first_item)
+        torch.testing.assert_close(embeds, scatter_rows(token_embeds, batch.is_token, rows))
+        loss = model(batch)
+        per_sample = []
+        for i in range(b):
+            n = int(batch.attention_mask[i].sum())
+            out = trainer.llm(inputs_embeds=embeds[i : i + 1, :n], labels=batch.labels[i : i + 1, :n])
+            per_sample.append(out.loss)
+        torch.testing.assert_close(loss, torch.stack(per_sample).mean())

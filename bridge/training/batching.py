@@ -1,8 +1,15 @@
-"""Examples -> one padded training batch: token ids, is_token mask, labels, encoder inputs.
+"""Examples -> one padded training batch: token ids, labels, encoder inputs, and every index the
+step needs, computed on the CPU.
 
 The prompt part goes through `tokenize_prompt` (the same function generation uses), the target
 gets EOS, labels are -100 on the prompt and on padding. Encoder inputs are preprocessed on the
 CPU and collated per modality in the order the rows will be scattered back.
+
+Why the index tensors (`row_slots`, `target_pos`, `target_ids`, `target_weight`): the step must
+have no data-dependent shapes on the device. Boolean-mask indexing, `masked_select` and
+`int(mask.sum())` each make the host wait for the GPU (a sync mid-step); here the positions are
+known on the host already, so the device only ever sees `index_copy` / `index_select` with
+index tensors that arrived with the batch.
 """
 
 from __future__ import annotations
@@ -33,11 +40,53 @@ class TrainBatch:
     # the keys of the items that were preprocessed (not cached yet) in `encoder_inputs` order
     item_keys: dict[str, list[Any]] | None = None
     new_keys: dict[str, list[Any]] | None = None
+    # host-computed indices (see the module docstring); flat positions index a (B * L, ...) view
+    row_slots: torch.Tensor | None = None  # (R,) long; flat positions of encoder rows, row-major
+    target_pos: torch.Tensor | None = None  # (N,) long; flat positions t whose next token is a target
+    target_ids: torch.Tensor | None = None  # (N,) long; the target token predicted at target_pos
+    target_weight: torch.Tensor | None = None  # (N,) float32; 1 / (targets of its sample * B)
+
+    TENSOR_FIELDS = (
+        "input_ids",
+        "is_token",
+        "attention_mask",
+        "labels",
+        "row_slots",
+        "target_pos",
+        "target_ids",
+        "target_weight",
+    )
 
     def to(self, device: torch.device) -> TrainBatch:
-        for name in ("input_ids", "is_token", "attention_mask", "labels"):
-            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        """Move every tensor (encoder inputs included) to `device`: on a GPU from pinned memory
+        with `non_blocking`, so the copies queue behind the step instead of stalling the host."""
+        device = torch.device(device)
+        for name in self.TENSOR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, _to_device(value, device))
+        self.encoder_inputs = {m: _move_collated(batch, device) for m, batch in self.encoder_inputs.items()}
         return self
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        if not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _move_collated(batch: Any, device: torch.device) -> Any:
+    """An encoder's collated batch with its tensors on `device` (the encoder's own move is then a
+    no-op); anything that is not a tensor (e.g. pieces-per-item lists) stays as it is."""
+    if isinstance(batch, torch.Tensor):
+        return _to_device(batch, device)
+    if isinstance(batch, dict):
+        return {k: _move_collated(v, device) for k, v in batch.items()}
+    return batch
 
 
 def collate_examples(
@@ -50,8 +99,10 @@ def collate_examples(
     """Build a TrainBatch. `keys[i]` identifies example i across epochs (its dataset index); items
     whose key `(modality, keys[i], j)` is in `cached` (the trainer's tower-output cache) are not
     preprocessed at all."""
+    if not examples:
+        raise ValueError("collate_examples needs at least one example")
     num_rows = {m: enc.num_rows for m, enc in encoders.items()}
-    prompts, seqs, labels = [], [], []
+    prompts, seqs = [], []
     processed: dict[str, list[Any]] = {m: [] for m in encoders}
     first_item: dict[str, list[int]] = {m: [] for m in encoders}
     all_keys: dict[str, list[Any]] = {m: [] for m in encoders}
@@ -60,8 +111,7 @@ def collate_examples(
         tp = tokenize_prompt(tokenizer, ex.prompt, ex.media, num_rows)
         target = tokenize_target(tokenizer, ex.target)
         prompts.append(tp)
-        seqs.append((tp.ids + target, tp.is_token + [True] * len(target)))
-        labels.append([IGNORE] * len(tp.ids) + target)
+        seqs.append((tp, target))
         for m in encoders:
             first_item[m].append(len(all_keys[m]))
             for j, item in enumerate(ex.media.get(m, [])):
@@ -71,29 +121,55 @@ def collate_examples(
                     continue
                 new_keys[m].append(key)
                 processed[m].append(encoders[m].preprocess(item))
-    longest = max(len(ids) for ids, _ in seqs)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    b = len(seqs)
-    input_ids = torch.full((b, longest), pad, dtype=torch.long)
-    is_token = torch.ones((b, longest), dtype=torch.bool)
-    attention = torch.zeros((b, longest), dtype=torch.long)
-    label_t = torch.full((b, longest), IGNORE, dtype=torch.long)
-    for i, ((ids, mask), lab) in enumerate(zip(seqs, labels)):
-        n = len(ids)
-        input_ids[i, :n] = torch.tensor(ids)
-        is_token[i, :n] = torch.tensor(mask)
-        attention[i, :n] = 1
-        label_t[i, :n] = torch.tensor(lab)
+    tensors = _pad_and_index(seqs, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     encoder_inputs = {m: encoders[m].collate(items) for m, items in processed.items() if items}
     return TrainBatch(
-        input_ids,
-        is_token,
-        attention,
-        label_t,
+        tensors["input_ids"],
+        tensors["is_token"],
+        tensors["attention_mask"],
+        tensors["labels"],
         prompts,
         encoder_inputs,
         first_item,
         {m: len(v) for m, v in all_keys.items()},
         item_keys=all_keys if cached is not None else None,
         new_keys=new_keys if cached is not None else None,
+        row_slots=tensors["row_slots"],
+        target_pos=tensors["target_pos"],
+        target_ids=tensors["target_ids"],
+        target_weight=tensors["target_weight"],
     )
+
+
+def _pad_and_index(seqs: list[tuple[TokenizedPrompt, list[int]]], pad: int) -> dict[str, torch.Tensor]:
+    """Padded (B, L) tensors and the flat index tensors, built from Python lists in one go (one
+    `torch.tensor` per output, not per example)."""
+    b = len(seqs)
+    longest = max(len(tp.ids) + len(target) for tp, target in seqs)
+    ids_rows, token_rows, mask_rows, label_rows = [], [], [], []
+    row_slots, target_pos, target_ids, target_weight = [], [], [], []
+    for i, (tp, target) in enumerate(seqs):
+        n_prompt, n = len(tp.ids), len(tp.ids) + len(target)
+        fill = longest - n
+        ids_rows.append(tp.ids + target + [pad] * fill)
+        token_rows.append(tp.is_token + [True] * (len(target) + fill))
+        mask_rows.append([1] * n + [0] * fill)
+        label_rows.append([IGNORE] * n_prompt + target + [IGNORE] * fill)
+        base = i * longest
+        # spans in sequence order, positions within a span consecutive: row-major order, the
+        # order ordered_rows() concatenates the encoder rows in
+        row_slots.extend(base + t for t, is_tok in enumerate(tp.is_token) if not is_tok)
+        # position t predicts token t + 1: the targets are predicted from n_prompt - 1 .. n - 2
+        target_pos.extend(range(base + n_prompt - 1, base + n - 1))
+        target_ids.extend(target)
+        target_weight.extend([1.0 / (len(target) * b)] * len(target))
+    return {
+        "input_ids": torch.tensor(ids_rows, dtype=torch.long),
+        "is_token": torch.tensor(token_rows, dtype=torch.bool),
+        "attention_mask": torch.tensor(mask_rows, dtype=torch.long),
+        "labels": torch.tensor(label_rows, dtype=torch.long),
+        "row_slots": torch.tensor(row_slots, dtype=torch.long),
+        "target_pos": torch.tensor(target_pos, dtype=torch.long),
+        "target_ids": torch.tensor(target_ids, dtype=torch.long),
+        "target_weight": torch.tensor(target_weight, dtype=torch.float32),
+    }

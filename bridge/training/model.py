@@ -6,6 +6,10 @@ the positions that predict a target token, which is most of the step's cost save
 vocabulary. The loss is the per-sample mean token cross-entropy averaged over samples, so a
 batch split across ranks (DDP averages per-rank means) gives the same loss and gradients as
 the whole batch on one rank.
+
+No host syncs in the step: where the encoder rows go and which positions predict targets come
+as index tensors from the collate (bridge/training/batching.py), so the device sees only
+`index_copy` / `index_select` and the host never waits for a data-dependent shape.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bridge.data.prompt_embeds import ordered_rows, scatter_rows
-from bridge.training.batching import IGNORE, TrainBatch
+from bridge.data.prompt_embeds import ordered_rows
+from bridge.training.batching import TrainBatch
 
 
 class BridgeModel(nn.Module):
@@ -40,27 +44,32 @@ class BridgeModel(nn.Module):
         return enc.project_rows([self.tower_cache[k] for k in batch.item_keys[modality]])
 
     def input_embeds(self, batch: TrainBatch) -> torch.Tensor:
+        """(B, L, H): token embeddings, with the encoder rows copied in at `batch.row_slots`
+        (differentiable with respect to the rows)."""
         embed = self.llm.get_input_embeddings()
         safe_ids = batch.input_ids.masked_fill(~batch.is_token, 0)
         token_embeds = embed(safe_ids)
         rows_by_modality = {m: self.encoder_rows(m, batch) for m, n in batch.num_items.items() if n}
         rows = ordered_rows(batch.prompts, rows_by_modality, batch.first_item)
-        return scatter_rows(token_embeds, batch.is_token, rows)
+        if not rows:
+            return token_embeds
+        source = torch.cat(rows, dim=0).to(token_embeds.dtype)
+        slots = batch.row_slots
+        if slots is None or slots.shape[0] != source.shape[0]:  # shapes only: no device sync
+            have = "no" if slots is None else slots.shape[0]
+            raise ValueError(f"{have} placeholder positions but {source.shape[0]} encoder rows")
+        b, length, hidden = token_embeds.shape
+        flat = token_embeds.reshape(b * length, hidden).index_copy(0, slots, source)
+        return flat.view(b, length, hidden)
 
     def forward(self, batch: TrainBatch) -> torch.Tensor:
         embeds = self.input_embeds(batch)
         decoder = self.llm.get_decoder()
         hidden = decoder(inputs_embeds=embeds, attention_mask=batch.attention_mask, use_cache=False)
         hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
-        # position t predicts token t + 1
-        targets = batch.labels[:, 1:]
-        where = targets != IGNORE
-        picked = hidden[:, :-1][where]
+        # position t predicts token t + 1; target_pos lists those t (flat over B * L)
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.target_pos)
         logits = self.llm.get_output_embeddings()(picked).float()
-        token_loss = F.cross_entropy(logits, targets[where], reduction="none")
-        sample_of = torch.arange(targets.shape[0], device=targets.device)[:, None].expand_as(targets)[where]
-        per_sample = torch.zeros(targets.shape[0], device=token_loss.device).index_add_(
-            0, sample_of, token_loss
-        )
-        counts = where.sum(dim=1).clamp(min=1)
-        return (per_sample / counts).mean()
+        token_loss = F.cross_entropy(logits, batch.target_ids, reduction="none")
+        # target_weight = 1 / (targets of the sample * B): the mean over samples of per-sample means
+        return (token_loss * batch.target_weight).sum()

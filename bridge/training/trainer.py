@@ -3,8 +3,9 @@ checkpoints/step_N, eval.json} out.
 
 Data order is a pure function of (seed, step) (see sampler.py) and the LR a pure function of the
 step, so resuming from step_N continues exactly where the run was: same step count, same next
-samples. Under torchrun every rank runs this loop on its slice of each global batch; DDP averages
-gradients; rank 0 alone writes files and runs the evaluation.
+samples. Under torchrun every rank runs this loop on its slice of each global batch; DDP (or
+FSDP2 when the LLM is unfrozen, see fsdp.py) averages gradients; rank 0 alone writes files and
+runs the evaluation.
 """
 
 from __future__ import annotations
@@ -39,7 +40,16 @@ from bridge.training.distributed import (
     pick_device,
     shutdown,
 )
-from bridge.training.lora import LoRALinear
+from bridge.training.fsdp import (
+    FullState,
+    gather_full_state,
+    gradient_sync,
+    load_full_model_state,
+    load_optimizer_state,
+    resolve_wrapper,
+    shard_model,
+    wrap_for_training,
+)
 from bridge.training.model import BridgeModel
 from bridge.training.plots import plot_loss
 from bridge.training.sampler import ResumableSampler
@@ -81,6 +91,9 @@ class Trainer:
                 )
             self.model.tower_cache = {}
         self.encoders = {encoder.modality: encoder}
+        self.wrapper = resolve_wrapper(recipe.train.distributed, self.plan.llm_full, self.dist)
+        if self.wrapper == "fsdp":  # before the optimizer: sharding replaces the parameters
+            shard_model(self.model, self.llm, self.device, self.dist.world_size)
 
         tr = recipe.train
         enc_params = [p for p in self.model.encoders.parameters() if p.requires_grad]
@@ -93,7 +106,14 @@ class Trainer:
             )
             if g["params"]
         ]
-        self.optimizer = torch.optim.AdamW(groups, betas=tuple(tr.betas), weight_decay=tr.weight_decay)
+        #: fused AdamW on CUDA (one kernel for all parameters instead of a few per tensor list)
+        self.fused_optimizer = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            groups,
+            betas=tuple(tr.betas),
+            weight_decay=tr.weight_decay,
+            **({"fused": True} if self.fused_optimizer else {}),
+        )
         self.scheduler = build_scheduler(
             self.optimizer,
             warmup_steps=tr.warmup_steps,
@@ -114,12 +134,7 @@ class Trainer:
             last = ckpt_io.latest_checkpoint(self.output_dir)
             if last is not None:
                 self._load_checkpoint(last)
-        self.train_module: torch.nn.Module = self.model
-        if self.dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel
-
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.train_module = DistributedDataParallel(self.model, device_ids=ids)
+        self.train_module: torch.nn.Module = wrap_for_training(self.model, self.wrapper, self.device)
 
     # ------------------------------------------------------------------ counts
     def trainable_counts(self) -> dict[str, int]:
@@ -153,25 +168,29 @@ class Trainer:
 
     def train_step(self) -> float:
         """One optimizer step (grad accumulation inside); returns the step's loss averaged over
-        its micro-batches and ranks."""
+        its micro-batches and ranks.
+
+        One host sync per step (reading the loss once, after the last backward and before the
+        optimizer step, so a non-finite loss stops the run before it reaches the weights); the
+        micro-batch losses are summed on the device."""
         tr = self.recipe.train
         accum = tr.grad_accum_steps
         if not self.model.training:
             self.set_train_mode()
-        total = 0.0
+        total = None
         for k in range(accum):
             batch = self._micro_batch(self.step * accum + k)
             sync = k == accum - 1 or not self.dist.enabled
-            ctx = contextlib.nullcontext() if sync else self.train_module.no_sync()
-            with ctx:
+            with gradient_sync(self.train_module, sync):
                 with self._autocast():
                     loss = self.train_module(batch)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"loss is {loss.item()} at step {self.step}; lower train.lr or use precision fp32"
-                    )
                 (loss / accum).backward()
-            total += float(loss.detach())
+            total = loss.detach() if total is None else total + loss.detach()
+        value = float(total) / accum
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"loss is {value} at step {self.step}; lower train.lr or use precision fp32"
+            )
         if tr.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(
                 [p for g in self.optimizer.param_groups for p in g["params"]], tr.grad_clip
@@ -180,7 +199,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return mean_across_ranks(total / accum, self.dist, self.device)
+        return mean_across_ranks(value, self.dist, self.device)
 
     def run(self) -> dict[str, Any]:
         tr = self.recipe.train
@@ -224,6 +243,7 @@ class Trainer:
             "final_loss": last_loss,
             "checkpoint": str(final),
             "output_dir": str(self.output_dir),
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
         if self.dist.is_main:
             plot_loss(metrics_path, self.output_dir / "loss.png", title=self.recipe.name)
@@ -239,28 +259,36 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         final = ckpt_io.checkpoint_root(self.output_dir) / f"step_{self.step}"
+        full = gather_full_state(self.model, self.optimizer)  # every rank: a collective under FSDP
         if self.dist.is_main:
             final = ckpt_io.write_checkpoint(
-                self.output_dir, self.step, self._fill_checkpoint, keep=self.recipe.train.keep_checkpoints
+                self.output_dir,
+                self.step,
+                lambda tmp: self._fill_checkpoint(tmp, full),
+                keep=self.recipe.train.keep_checkpoints,
             )
         barrier(self.dist)
         return final
 
-    def _fill_checkpoint(self, tmp: Path) -> dict:
+    def _fill_checkpoint(self, tmp: Path, full: FullState) -> dict:
+        """Rank 0 writes the checkpoint from full tensors (`full`), never from the modules' own
+        (possibly sharded) parameters."""
         dump_recipe(self.recipe, tmp / "recipe.yaml")
         for modality, enc in self.encoders.items():
-            enc.save(tmp / "encoder" / modality)
-        trainable = {n: p for n, p in self.llm.named_parameters() if p.requires_grad}
+            enc_state = ckpt_io.sub_state(full.model, f"encoders.{modality}.")
+            ckpt_io.save_encoder_state(enc, enc_state, tmp / "encoder" / modality)
+        llm_state = ckpt_io.sub_state(full.model, "llm.")
+        trainable = {n: llm_state[n] for n, p in self.llm.named_parameters() if p.requires_grad}
         if trainable:
             ckpt_io.save_tensors(tmp / "llm_trainable.safetensors", trainable)
         llm_dir = str(self.base_llm_dir.resolve())
         if self.plan.llm_changes:
-            self.llm.save_pretrained(tmp / "llm", state_dict=merged_state_dict(self.llm))
+            self.llm.save_pretrained(tmp / "llm", state_dict=ckpt_io.merged_llm_state(self.llm, llm_state))
             self.tokenizer.save_pretrained(tmp / "llm")
             llm_dir = "llm"
         torch.save(
             {
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": full.optimizer,
                 "scheduler": self.scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(),
             },
@@ -273,15 +301,20 @@ class Trainer:
             "modalities": sorted(self.encoders),
             "llm_dtype": self.recipe.model.dtype,
             "world_size": self.dist.world_size,
+            "wrapper": self.wrapper,
         }
 
     def _load_checkpoint(self, path: Path) -> None:
-        from encoders.api import load_state_dict_checked
+        from encoders.api import describe_mismatch
 
         meta = ckpt_io.read_meta(path)
+        full: dict[str, torch.Tensor] = {}  # BridgeModel names -> full tensors, checked first
         for modality, enc in self.encoders.items():
             state = ckpt_io.load_tensors(path / "encoder" / modality / "model.safetensors")
-            load_state_dict_checked(enc, {k: v.to(self.device) for k, v in state.items()}, source=str(path))
+            problems = describe_mismatch(enc.state_dict(), state)  # global shapes, sharded or not
+            if problems:
+                raise ValueError(f"weights in {path} do not match the model:\n  - " + "\n  - ".join(problems))
+            full.update({f"encoders.{modality}.{k}": v for k, v in state.items()})
         trainable_file = path / "llm_trainable.safetensors"
         if trainable_file.is_file():
             state = ckpt_io.load_tensors(trainable_file)
@@ -292,11 +325,10 @@ class Trainer:
                     f"{trainable_file}: tensors the LLM does not have: {unknown[:5]} (was the "
                     f"checkpoint made with another stage or LoRA config?)"
                 )
-            with torch.no_grad():
-                for name, value in state.items():
-                    own[name].copy_(value)
-        trainer_state = torch.load(path / "trainer_state.pt", map_location=self.device, weights_only=False)
-        self.optimizer.load_state_dict(trainer_state["optimizer"])
+            full.update({f"llm.{k}": v for k, v in state.items()})
+        load_full_model_state(self.model, full)  # every rank: a sharded model keeps its shard
+        trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+        load_optimizer_state(self.model, self.optimizer, trainer_state["optimizer"])
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         torch.set_rng_state(trainer_state["torch_rng"].cpu())
         self.step = int(meta["step"])
@@ -304,18 +336,9 @@ class Trainer:
 
 
 def merged_state_dict(llm: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The LLM's state dict with every LoRA layer folded in, under the plain model's key names, so
-    the saved directory is an ordinary HF checkpoint the runner (or anything) can load."""
-    state = dict(llm.state_dict())
-    for name, module in llm.named_modules():
-        if isinstance(module, LoRALinear):
-            for key in [k for k in state if k.startswith(name + ".")]:
-                del state[key]
-            merged = module.merged_linear()
-            state[name + ".weight"] = merged.weight.detach()
-            if merged.bias is not None:
-                state[name + ".bias"] = merged.bias.detach()
-    return state
+    """The (unsharded) LLM's state dict with every LoRA layer folded in (see
+    checkpoint.merged_llm_state)."""
+    return ckpt_io.merged_llm_state(llm, dict(llm.state_dict()))
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
