@@ -153,6 +153,14 @@ SCHEMA: dict[str, Any] = {
             "fp32", "fp32, or bf16 autocast (trainable weights stay fp32).", (str,), ("fp32", "bf16")
         ),
         "device": Field("auto", "auto (cuda if present), cpu or cuda.", (str,), ("auto", "cpu", "cuda")),
+        "distributed": Field(
+            "auto",
+            "Multi-rank wrapper (torchrun / --nproc): ddp replicates the model on every rank; fsdp "
+            "shards weights, gradients and optimizer state (FSDP2, one unit per decoder layer). "
+            "auto: fsdp when the LLM's full weights train (train.trainable.llm), else ddp.",
+            (str,),
+            ("auto", "ddp", "fsdp"),
+        ),
         "cache_tower_outputs": Field(
             False,
             "Keep a frozen tower's outputs per training item in device memory and run only the "

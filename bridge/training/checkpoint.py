@@ -11,7 +11,10 @@ Layout of step_N/:
   encoder/                  encoders' own format (config.json + model.safetensors) per modality
   llm_trainable.safetensors trainable LLM tensors (LoRA A/B or all weights), for resuming
   llm/                      a merged, ready-to-serve HF model dir, only when LLM weights changed
-  trainer_state.pt          optimizer, LR scheduler and RNG states, for resuming
+  trainer_state.pt          optimizer (keyed by parameter name), LR scheduler and RNG states
+
+The tensors come from full (unsharded) state dicts (fsdp.gather_full_state), so the files are
+the same whether one process, DDP or FSDP2 trained the run.
 """
 
 from __future__ import annotations
@@ -113,8 +116,44 @@ def read_meta(ckpt: str | Path) -> dict:
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(path))
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    save_file(state, str(path), metadata={"format": "pt"})
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
+
+
+def sub_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries under `prefix` (e.g. "llm."), with the prefix removed."""
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def save_encoder_state(encoder: Any, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """Write an encoder checkpoint (the format of `encoders.checkpoint.save_encoder`) from full
+    tensors, so a sharded encoder (whose own state dict holds shards) saves the same files."""
+    from encoders.checkpoint import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_tensors(directory / WEIGHTS_NAME, state)
+    config = {"bridge_encoder_format": FORMAT_VERSION, **encoder.config}
+    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+
+
+def merged_llm_state(llm: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (the LLM's full state dict) with every LoRA layer folded in, under the plain model's
+    key names, so the saved directory is an ordinary HF checkpoint the runner can load. Same
+    arithmetic as `LoRALinear.merged_linear`, on full tensors (the module may be sharded)."""
+    from bridge.training.lora import LoRALinear
+
+    state = dict(state)
+    for name, module in llm.named_modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        base_w = state.pop(f"{name}.base.weight")
+        a, b = state.pop(f"{name}.lora_a"), state.pop(f"{name}.lora_b")
+        delta = (b.float() @ a.float()) * module.scale
+        state[f"{name}.weight"] = (base_w.float() + delta).to(base_w.dtype)
+        if f"{name}.base.bias" in state:
+            state[f"{name}.bias"] = state.pop(f"{name}.base.bias")
+    return state
