@@ -51,6 +51,7 @@ QWEN3_06B = dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, 
 TARGET_VS_HF = 8.0
 TARGET_VS_ROOFLINE = 0.40
 TARGET_EMBEDS_VS_IDS = 0.95
+TEMPERATURE = 0.0  # --temperature (the profile runs read it)
 
 
 def log(msg: str) -> None:
@@ -114,8 +115,11 @@ def roofline_tok_s(config, weight_bytes: int, prompt_lens: list[int], output_len
 
 # ------------------------------------------------------------------------------------------ runs
 
-def run_bridge(llm: LLM, prompts: list[dict], output_lens: list[int], device: torch.device) -> dict:
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in output_lens]
+def run_bridge(llm: LLM, prompts: list[dict], output_lens: list[int], device: torch.device,
+               temperature: float = 0.0) -> dict:
+    # Sampled runs seed each request (seed = its index), so both paths draw the same tokens.
+    params = [SamplingParams(max_tokens=o, temperature=temperature, ignore_eos=True,
+                             seed=i if temperature > 0 else None) for i, o in enumerate(output_lens)]
     sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -177,7 +181,7 @@ def profile_paths(llm, prompts_of: dict, output_lens: list[int], device) -> None
 
     for path, prompts in prompts_of.items():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            run_bridge(llm, prompts, output_lens, device)
+            run_bridge(llm, prompts, output_lens, device, TEMPERATURE)
         for key in ("self_cpu_time_total", "self_cuda_time_total"):
             log(f"profile of the {path} path, top operators by {key}")
             print(prof.key_averages().table(sort_by=key, row_limit=12), flush=True)
@@ -213,7 +217,13 @@ def main() -> int:
                     help="greedy decode steps per host sync (default: the engine's, 8 with CUDA graphs)")
     ap.add_argument("--no-fused-ops", action="store_true", help="keep HF's own RMSNorm and rotary (A/B)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (A/B)")
+    ap.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default",
+                    help="overlap step n+1's host work with step n's device work (A/B; default: engine's)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="Bridge samples at this temperature, each request seeded (0: greedy, the default)")
     args = ap.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     if args.no_fused_ops:
         os.environ["BRIDGE_FUSED_OPS"] = "0"
 
@@ -287,7 +297,8 @@ def main() -> int:
     llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device,
               max_num_seqs=32 if args.cpu else 256, max_num_batched_tokens=2048 if args.cpu else 16384,
               max_model_len=max_len + 16, gpu_memory_utilization=0.85, enforce_eager=args.enforce_eager,
-              decode_window=args.decode_window)
+              decode_window=args.decode_window,
+              async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling])
     results["bridge_init_seconds"] = time.perf_counter() - t0
     results["kv_blocks"] = llm.num_total_blocks
     results["engine"] = {
@@ -295,6 +306,7 @@ def main() -> int:
         "fused_rmsnorms": llm.runner.num_fused_norms, "fused_rotary": llm.runner.fused_rotary,
         "fused_linears": list(getattr(llm.runner, "num_fused_linears", (0, 0))),
         "max_num_seqs": llm.num_total_slots, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
+        "async_scheduling": llm.async_scheduling, "temperature": args.temperature,
     }
     log(f"  ready in {results['bridge_init_seconds']:.1f}s, {llm.num_total_blocks} KV blocks")
 
@@ -306,7 +318,7 @@ def main() -> int:
         runs: dict[str, list[dict]] = {"embeds": [], "ids": []}
         for rep in range(args.repeats + 1):
             for path, prompts in (("ids", id_prompts), ("embeds", embeds_prompts)):
-                res = run_bridge(llm, prompts, output_lens, device)
+                res = run_bridge(llm, prompts, output_lens, device, args.temperature)
                 label = "warm-up" if rep == 0 else f"run {rep}"
                 log(f"{name}: Bridge {path} path ({label}): {res['tok_s']:.0f} tok/s "
                     f"in {res['seconds']:.2f}s")
@@ -346,6 +358,7 @@ def main() -> int:
     results["cuda_graph_replays"] = llm.runner.num_graph_replays
     results["decode_windows"] = llm.runner.num_decode_windows
     results["preemptions"] = llm.num_preemptions
+    results["async_steps"] = getattr(llm, "num_async_steps", 0)
 
     # --- summary
     print()
@@ -356,6 +369,8 @@ def main() -> int:
           f"fused RMSNorm x{eng['fused_rmsnorms']}, fused rotary {eng['fused_rotary']}, "
           f"fused MLP/QKV {eng['fused_linears']}, "
           f"{results['kv_blocks']} KV blocks, {results['preemptions']} preemptions")
+    print(f"async scheduling {eng['async_scheduling']} ({results['async_steps']} overlapped steps), "
+          f"temperature {eng['temperature']}")
     if not args.cpu:
         print(f"copy bandwidth {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
               f"bf16 matmul {results['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from runner.async_loop import AsyncLoop
 from runner.block_manager import BlockManager
 from runner.kv_cache import determine_num_blocks
 from runner.llm_mm import MultimodalLLMMixin
@@ -169,6 +170,8 @@ class LLM(MultimodalLLMMixin):
         if not 1 <= decode_window <= MAX_DECODE_WINDOW:
             raise ValueError(f"decode_window must be in [1, {MAX_DECODE_WINDOW}], got {decode_window}")
         self.decode_window = decode_window
+        # Steps launched while the previous one was still on the device (async scheduling).
+        self.num_async_steps = 0
         self._request_counter = itertools.count()
         self._init_multimodal(encoders, encoder_cache_budget, max_num_batched_tokens)
 
@@ -368,18 +371,13 @@ class LLM(MultimodalLLMMixin):
         return [req.to_output(self.tokenizer) for req in requests]
 
     def _run_until_done(self, bar) -> None:
+        if self.async_scheduling:
+            AsyncLoop(self, bar).run()
+            return
         scheduler, runner = self.scheduler, self.runner
         while scheduler.has_unfinished():
-            k = scheduler.decode_window_size(self.decode_window, self.max_model_len) if runner.graphs else 1
-            if k > 1 and self._mm_rows_pending():  # decode windows skip the encoder-row gather
-                k = 1
-            if k > 1 and runner.can_replay(len(scheduler.running)):
-                out = scheduler.schedule_decode_window(k)
-                if out is not None:
-                    finished = scheduler.update_window(out, runner.execute_decode_window(out, k))
-                    if finished:
-                        bar.update(len(finished))
-                    continue
+            if self._run_decode_window(bar):
+                continue
             out = scheduler.schedule()
             if out.num_reqs == 0:
                 raise RuntimeError("scheduler made no progress: a request cannot fit the KV cache")
@@ -387,6 +385,29 @@ class LLM(MultimodalLLMMixin):
             finished = scheduler.update(out, result)
             if finished:
                 bar.update(len(finished))
+
+    def _decode_window_size(self) -> int:
+        """Greedy decode steps that may run back to back now (1: take a normal step)."""
+        scheduler, runner = self.scheduler, self.runner
+        if not runner.graphs:
+            return 1
+        k = scheduler.decode_window_size(self.decode_window, self.max_model_len)
+        if k > 1 and self._mm_rows_pending():  # decode windows skip the encoder-row gather
+            return 1
+        return k if k > 1 and runner.can_replay(len(scheduler.running)) else 1
+
+    def _run_decode_window(self, bar) -> bool:
+        """Run one decode window if one can run now (nothing in flight); whether it ran."""
+        k = self._decode_window_size()
+        if k <= 1:
+            return False
+        out = self.scheduler.schedule_decode_window(k)
+        if out is None:
+            return False
+        finished = self.scheduler.update_window(out, self.runner.execute_decode_window(out, k))
+        if finished:
+            bar.update(len(finished))
+        return True
 
     def _make_request(self, i: int, parsed: _ParsedPrompt, params: SamplingParams) -> Request:
         request_id = str(next(self._request_counter))

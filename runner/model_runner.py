@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -77,6 +77,12 @@ class _StagingBuffers:
       int32: [num_computed_by_slot S][query_start_loc r+1][seq_lens r][idx_mapping r][block_tables r*w]
     Offsets depend only on (t, r, w), so the views a CUDA graph captured for a bucket are the views
     every replay of that bucket writes.
+
+    On a GPU there are two pinned host pairs, used in turn (`next_host`): under async scheduling
+    step n+1 is staged while step n's upload may still be queued behind step n-1 on the device,
+    so it must not write the pinned memory that upload reads. Each pair's upload records an event
+    and `next_host` waits for it before the pair is written again (already done in practice: the
+    loop read step n-1's tokens, which come after step n-1's upload, before staging step n+1).
     """
 
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
@@ -85,8 +91,12 @@ class _StagingBuffers:
         pin = device.type == "cuda"
         n64 = 4 * max_tokens
         n32 = max_reqs + (max_reqs + 1) + 2 * max_reqs + max_reqs * max_blocks
-        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=pin)
-        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=pin)
+        pairs = 2 if pin else 1
+        self._hosts = [(torch.zeros(n64, dtype=torch.int64, pin_memory=pin),
+                        torch.zeros(n32, dtype=torch.int32, pin_memory=pin)) for _ in range(pairs)]
+        self._events: list = [None] * pairs
+        self._turn = 0
+        self.host64, self.host32 = self._hosts[0]
         self.np64 = self.host64.numpy()
         self.np32 = self.host32.numpy()
         if device.type == "cpu":
@@ -94,6 +104,18 @@ class _StagingBuffers:
         else:
             self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
             self.dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
+
+    def next_host(self) -> None:
+        """Switch to the other pinned host pair (GPU only), once its last upload has run."""
+        if len(self._hosts) == 1:
+            return
+        self._turn = (self._turn + 1) % len(self._hosts)
+        event = self._events[self._turn]
+        if event is not None:
+            event.synchronize()
+        self.host64, self.host32 = self._hosts[self._turn]
+        self.np64 = self.host64.numpy()
+        self.np32 = self.host32.numpy()
 
     def offsets(self, t: int, r: int, w: int, n_logits: int) -> tuple[list[int], list[int]]:
         o64 = [0, t, 2 * t, 3 * t, 3 * t + n_logits]
@@ -122,6 +144,9 @@ class _StagingBuffers:
         o64, o32 = self.offsets(t, r, w, n_logits)
         self.dev64[: o64[-1]].copy_(self.host64[: o64[-1]], non_blocking=True)
         self.dev32[: o32[-1]].copy_(self.host32[: o32[-1]], non_blocking=True)
+        if self._events[self._turn] is None:
+            self._events[self._turn] = torch.cuda.Event()
+        self._events[self._turn].record()
 
 
 @dataclass
@@ -139,6 +164,27 @@ class _Staged:
     sample_rows: list[int]
     plp_rows: list[int]
     plp_spans: list[tuple[int, int, int]]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are enqueued on the device; `ModelRunner.finish` reads it.
+
+    `rows` are the batch rows that sampled, `sample_index` maps their request ids to positions in
+    `token_ids` (the device tensor the next step's pending input ids are copied from). `host`
+    holds the host copies of token ids, logprobs, top-k ids and top-k logprobs (None: nothing
+    sampled), complete once `event` (CUDA only) has fired.
+    """
+
+    so: SchedulerOutput
+    rows: list[int]
+    sample_index: dict[str, int]
+    params: list[SamplingParams] = field(default_factory=list)
+    token_ids: torch.Tensor | None = None
+    host: list[torch.Tensor | None] | None = None
+    event: torch.cuda.Event | None = None
+    plp_logits: torch.Tensor | None = None
+    plp_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -219,6 +265,15 @@ class ModelRunner:
         self.num_graph_replays = 0
         self.num_decode_windows = 0
         self.num_forward_steps = 0
+        # Async scheduling: input ids copied on the device from the step in flight (pinned index
+        # buffers used in turn on a GPU, like the staging buffers).
+        self.num_fed_tokens = 0
+        self._feed_turn = 0
+        if device.type == "cuda":
+            self._feed_host = [torch.zeros(2 * max_num_seqs, dtype=torch.int64, pin_memory=True)
+                               for _ in range(2)]
+            self._feed_dev = torch.zeros(2 * max_num_seqs, dtype=torch.int64, device=device)
+            self._feed_events = [torch.cuda.Event(), torch.cuda.Event()]
 
     # ----------------------------------------------------------------------------- setup
     def set_max_model_len(self, max_model_len: int) -> None:
@@ -339,6 +394,7 @@ class ModelRunner:
         t = so.total_num_tokens
         bs = self.block_size
         st = self.staging
+        st.next_host()
 
         # Host tables: new blocks of each request.
         for req in reqs:
@@ -398,8 +454,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> StepResult:
         """Run one scheduled step and sample; the one host sync reads the sampled tokens."""
+        return self.finish(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue one step's forward and sampling on the device without waiting for them.
+
+        `prev` is the step still in flight (async scheduling): a request whose last token is one
+        `prev` sampled (`num_pending_outputs`) gets that token's id copied on the device from
+        `prev`'s sampled ids into this step's input ids. The sampled ids (and logprobs) start
+        their copy to the host; `finish` waits for it.
+        """
         sd = self._stage(so)
         v, t, r, bucket, sample_rows = sd.views, sd.t, sd.r, sd.bucket, sd.sample_rows
+        self._feed_pending_tokens(so, sd, prev)
         positions = v.positions
         mm = self.mm.gather_step(so.requests, so.num_scheduled_tokens) if self.mm is not None else None
         if mm is None:
@@ -425,7 +493,7 @@ class ModelRunner:
             self.num_graph_replays += 1
             logits = self.graph_logits[:r]
             if len(sample_rows) != r:
-                keep = torch.tensor([i for i in range(r) if so.samples[i]], device=self.device)
+                keep = torch.tensor([i for i in range(r) if so.samples[i]]).to(self.device, non_blocking=True)
                 logits = logits.index_select(0, keep)
         else:
             meta = AttentionMetadata(
@@ -437,13 +505,62 @@ class ModelRunner:
             logits = self._forward(embeds, positions, meta, v.logits_indices)
         self.num_forward_steps += 1
 
-        result = self._sample(so, logits[: len(sample_rows)])
-        if sd.plp_rows:
-            result.prompt_logprobs = self._prompt_logprobs(so, logits[len(sample_rows) :], sd.plp_spans)
+        step = self._sample_on_device(so, logits[: len(sample_rows)])
+        if sd.plp_rows:  # read in `finish` (never a graph step, so these logits are not overwritten)
+            step.plp_logits, step.plp_spans = logits[len(sample_rows) :], sd.plp_spans
+        return step
+
+    def _feed_pending_tokens(self, so: SchedulerOutput, sd: _Staged, prev: LaunchedStep | None) -> None:
+        """Input ids the host does not know yet: copied on the device from `prev`'s sampled ids."""
+        dst: list[int] = []
+        src: list[int] = []
+        for i, req in enumerate(so.requests):
+            if not req.num_pending_outputs:
+                continue
+            if req.num_pending_outputs > 1 or prev is None or req.request_id not in prev.sample_index:
+                raise RuntimeError(f"request {req.request_id}: its pending token is not from the step in "
+                                   "flight (async scheduling must finish older steps first)")
+            pos = req.num_tokens - 1  # the pending token is the request's last one
+            start = int(sd.cu[i] - sd.nsched[i])
+            nc = req.num_computed_tokens
+            if nc <= pos < nc + int(sd.nsched[i]):
+                dst.append(start + pos - nc)
+                src.append(prev.sample_index[req.request_id])
+        if not dst:
+            return
+        n = len(dst)
+        if self.device.type == "cuda":  # pinned, used in turn like the staging buffers
+            self._feed_turn ^= 1
+            host, event = self._feed_host[self._feed_turn], self._feed_events[self._feed_turn]
+            event.synchronize()  # its previous upload has run (in practice long ago)
+            host[:n] = torch.tensor(dst)
+            host[n : 2 * n] = torch.tensor(src)
+            idx = self._feed_dev[: 2 * n]
+            idx.copy_(host[: 2 * n], non_blocking=True)
+            event.record()
+        else:
+            idx = torch.tensor(dst + src, dtype=torch.int64)
+        sd.views.input_ids.index_copy_(0, idx[:n], prev.token_ids.index_select(0, idx[n:]))
+        self.num_fed_tokens += n
+
+    @torch.inference_mode()
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's sampled tokens (the one host sync) and return them.
+
+        Each sampled token also goes into the token table at the request's next position,
+        except for requests that finished meanwhile (async scheduling: their slot may be gone).
+        """
+        so = step.so
+        result = self._sampled_result(step)
+        if step.plp_spans:
+            result.prompt_logprobs = self._prompt_logprobs(so, step.plp_logits, step.plp_spans)
         for i, req in enumerate(so.requests):
             token = result.sampled_token_ids[i]
-            if token is not None and req.num_tokens <= self.max_model_len:
-                self.token_table[req.slot, req.num_tokens] = token
+            if token is None or req.is_finished:
+                continue
+            pos = req.num_prompt_tokens + req.num_output_tokens  # the oldest pending token's position
+            if pos <= self.max_model_len:
+                self.token_table[req.slot, pos] = token
         return result
 
     @torch.inference_mode()
@@ -483,36 +600,59 @@ class ModelRunner:
         return out
 
     # ----------------------------------------------------------------------------- sampling
-    def _sample(self, so: SchedulerOutput, logits: torch.Tensor) -> StepResult:
-        r = so.num_reqs
-        sampled: list[int | None] = [None] * r
+    def _sample_on_device(self, so: SchedulerOutput, logits: torch.Tensor) -> LaunchedStep:
+        """Sample the rows that need a token; the results start their copy to the host."""
+        rows = [i for i in range(so.num_reqs) if so.samples[i]]
+        step = LaunchedStep(so, rows, {so.requests[i].request_id: j for j, i in enumerate(rows)})
         if logits.shape[0] == 0:
-            return StepResult(sampled)
-        rows = [i for i in range(r) if so.samples[i]]
+            return step
         reqs = [so.requests[i] for i in rows]
         params = [q.sampling_params for q in reqs]
         penalties = any(p.uses_penalties for p in params)
         need_outputs = penalties or any(p.min_tokens > 0 for p in params)
+        if penalties and any(q.num_pending_outputs and q.sampling_params.uses_penalties for q in reqs):
+            raise RuntimeError("penalties need every output token on the host: finish the step in flight "
+                               "before launching this one")
         batch = SamplingBatch(
             params=params,
             generators=[q.generator for q in reqs],
             penalty_prompt_ids=[q.real_prompt_token_ids() for q in reqs] if penalties else None,
-            output_ids=[q.output_token_ids for q in reqs] if need_outputs else None,
+            # min_tokens counts outputs only: a token in flight is a -1 here (penalties ignore it).
+            output_ids=[q.output_token_ids + [-1] * q.num_pending_outputs if q.num_pending_outputs
+                        else q.output_token_ids for q in reqs] if need_outputs else None,
             eos_token_ids=self.eos_token_ids,
         )
         out = self.sampler(logits, batch)
-        token_ids = out.token_ids.tolist()
-        for row, tok in zip(rows, token_ids):
+        step.params = params
+        step.token_ids = out.token_ids
+        host = [out.token_ids, out.logprobs, out.topk_ids, out.topk_logprobs]
+        if self.device.type == "cuda":
+            host = [x.to("cpu", non_blocking=True) if x is not None else None for x in host]
+            step.event = torch.cuda.Event()
+            step.event.record()
+        step.host = host
+        return step
+
+    @staticmethod
+    def _sampled_result(step: LaunchedStep) -> StepResult:
+        r = step.so.num_reqs
+        sampled: list[int | None] = [None] * r
+        if step.host is None:
+            return StepResult(sampled)
+        if step.event is not None:
+            step.event.synchronize()
+        token_ids, logprobs, topk_ids, topk_logprobs = step.host
+        for row, tok in zip(step.rows, token_ids.tolist()):
             sampled[row] = tok
         result = StepResult(sampled)
-        if out.logprobs is not None:
-            lps = out.logprobs.tolist()
+        if logprobs is not None:
+            lps = logprobs.tolist()
             result.logprobs = [None] * r
             result.top_logprobs = [None] * r
-            top_ids = out.topk_ids.tolist() if out.topk_ids is not None else None
-            top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
-            for j, row in enumerate(rows):
-                k = params[j].logprobs
+            top_ids = topk_ids.tolist() if topk_ids is not None else None
+            top_lps = topk_logprobs.tolist() if topk_logprobs is not None else None
+            for j, row in enumerate(step.rows):
+                k = step.params[j].logprobs
                 if k is None:
                     continue
                 result.logprobs[row] = lps[j]

@@ -108,9 +108,13 @@ class Request:
     mrope_delta: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     _real_prompt_ids: list[int] | None = field(default=None, repr=False)
-    # Tokens whose KV the request needs: prompt plus everything generated so far. A plain field
-    # (kept in step by `append_output_token`) because the scheduler reads it for every request
-    # every step.
+    # Async scheduling (runner.async_loop): tokens sampled on the device whose values the host has
+    # not read yet. The scheduler plans the next step as if they were known (they count in
+    # `num_tokens`); their ids are fed to that step on the device.
+    num_pending_outputs: int = 0
+    # Tokens whose KV the request needs: prompt plus everything generated so far (pending tokens
+    # included). A plain field (kept in step by `append_output_token`) because the scheduler reads
+    # it for every request every step.
     num_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -155,10 +159,41 @@ class Request:
     # ----------------------------------------------------------------------------- progress
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the KV is gone, the generated tokens stay and are re-prefilled."""
+        if self.num_pending_outputs:
+            raise RuntimeError(f"request {self.request_id}: preempted with sampled tokens still in flight")
         self.num_computed_tokens = 0
         self.block_ids = []
         self.status = RequestStatus.WAITING
         self.num_preemptions += 1
+
+    def add_pending_output(self) -> None:
+        """A token was sampled on the device; its value is read later (`resolve_pending_output`)."""
+        self.num_pending_outputs += 1
+        self.num_tokens += 1
+
+    def resolve_pending_output(self, token_id: int, logprob: float | None = None,
+                               top_logprobs: dict[int, float] | None = None) -> None:
+        """The oldest pending token's value arrived: it becomes an ordinary output token."""
+        if self.num_pending_outputs < 1:
+            raise RuntimeError(f"request {self.request_id}: a sampled token arrived with none pending")
+        self.num_pending_outputs -= 1
+        self.num_tokens -= 1
+        self.append_output_token(token_id, logprob, top_logprobs)
+
+    def drop_pending_outputs(self) -> None:
+        """The request finished while tokens were still in flight: those are discarded."""
+        self.num_tokens -= self.num_pending_outputs
+        self.num_pending_outputs = 0
+
+    @property
+    def finishes_by_length_when_resolved(self) -> bool:
+        """With its pending tokens read, the request will be at max_tokens or the context limit
+        whatever their values: the scheduler does not plan another step for it."""
+        if not self.num_pending_outputs:
+            return False
+        if self.num_output_tokens + self.num_pending_outputs >= self.sampling_params.max_tokens:
+            return True
+        return self.max_model_len is not None and self.num_tokens >= self.max_model_len
 
     def append_output_token(self, token_id: int, logprob: float | None = None,
                             top_logprobs: dict[int, float] | None = None) -> None:
@@ -200,7 +235,8 @@ class Request:
         if n_out >= params.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
-        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+        # Confirmed tokens only: under async scheduling `num_tokens` also counts tokens in flight.
+        if self.max_model_len is not None and self.num_prompt_tokens + n_out >= self.max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -87,6 +87,7 @@ class Scheduler:
         self.num_steps_scheduled = 0
         self.num_partial_prefills = 0  # chunks that did not finish their request's prefill
         self.num_mixed_steps = 0  # steps that carried decodes and prefill chunks together
+        self.num_discarded_tokens = 0  # async scheduling: sampled for a request that had already ended
 
     # ----------------------------------------------------------------------------- queue
     @property
@@ -138,7 +139,13 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ----------------------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, allow_preemption: bool = True) -> SchedulerOutput | None:
+        """Plan the next step. With `allow_preemption=False` (async scheduling, a step in flight)
+        return None instead of preempting: the caller finishes the step in flight and asks again.
+
+        A request whose tokens in flight will certainly end it (max_tokens or the context limit
+        reached whatever their values) is not planned again.
+        """
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -153,8 +160,12 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if request.finishes_by_length_when_resolved:
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not bm.allocate_slots(request, request.num_computed_tokens + n):
+                if not allow_preemption:
+                    return None
                 while True:
                     victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
                     self._preempt(victim)
@@ -249,9 +260,25 @@ class Scheduler:
     # ----------------------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
         """Advance every scheduled request by the step's result; returns the requests that finished."""
-        finished: list[Request] = []
-        for i, (request, n) in enumerate(zip(out.requests, out.num_scheduled_tokens)):
+        self.mark_launched(out)
+        return self.finish_step(out, result)
+
+    def mark_launched(self, out: SchedulerOutput) -> None:
+        """The step is on the device: its tokens count as computed and each sampling request has
+        one more (pending) token, so the next step can be planned before the values are read."""
+        for request, n, samples in zip(out.requests, out.num_scheduled_tokens, out.samples):
             request.num_computed_tokens += n
+            if samples:
+                request.add_pending_output()
+
+    def finish_step(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
+        """The step's sampled tokens arrived: append them and run the stop checks. A request that
+        finished after the step was planned (async scheduling) has its output here discarded."""
+        finished: list[Request] = []
+        for i, request in enumerate(out.requests):
+            if request.is_finished:
+                self.num_discarded_tokens += result.sampled_token_ids[i] is not None
+                continue
             if result.prompt_logprobs and request.prompt_logprobs is not None:
                 first, entries = result.prompt_logprobs.get(request.request_id, (0, []))
                 known = request.prompt_logprobs
@@ -262,10 +289,21 @@ class Scheduler:
                 continue
             logprob = result.logprobs[i] if result.logprobs is not None else None
             top = result.top_logprobs[i] if result.top_logprobs is not None else None
-            request.append_output_token(token, logprob, top)
+            request.resolve_pending_output(token, logprob, top)
             if request.check_stop():
+                request.drop_pending_outputs()
                 self.running.remove(request)
                 self._release(request)
                 del self.requests[request.request_id]
                 finished.append(request)
         return finished
+
+    @staticmethod
+    def without(out: SchedulerOutput, drop: Callable[[Request, bool], bool]) -> SchedulerOutput:
+        """`out` less the requests for which `drop(request, samples)` holds. A dropped request keeps
+        the blocks planned for it (it needs them next step) and its progress is not advanced."""
+        keep = [i for i, (r, s) in enumerate(zip(out.requests, out.samples)) if not drop(r, s)]
+        if len(keep) == out.num_reqs:
+            return out
+        return SchedulerOutput([out.requests[i] for i in keep], [out.num_scheduled_tokens[i] for i in keep],
+                               [out.samples[i] for i in keep])
