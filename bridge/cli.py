@@ -4,7 +4,8 @@
     bridge demo {shapes,tones,graphs} [--output-dir DIR] [key.sub=value ...]
     bridge defaults                      # every recipe key with its default and meaning
 
-`--nproc N` (N > 1) re-launches the same command under torchrun with N processes (DDP);
+`--nproc N` (N > 1) re-launches the same command under torchrun with N processes (DDP, or FSDP2
+when the LLM is unfrozen: `train.distributed`);
 `torchrun --nproc_per_node N -m bridge train RECIPE` does the same by hand.
 """
 
