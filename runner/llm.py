@@ -76,8 +76,11 @@ class LLM(MultimodalLLMMixin):
     profiling step; 256 MiB on the CPU). `decode_window` is how many greedy decode steps run back
     to back between host syncs when every running request is a plain greedy decode (default 32
     with CUDA graphs, 1 otherwise; nothing waiting is admitted inside a window, so a smaller
-    window trades throughput for admission latency). Counters for tests and monitoring: `num_free_blocks`,
-    `num_total_blocks`, `num_free_slots`, `num_total_slots`, `num_steps`, `num_preemptions`.
+    window trades throughput for admission latency). `async_scheduling` (default on, except with
+    multimodal input) plans and launches step n+1 while step n runs on the device
+    (`runner.async_loop`); the outputs are the synchronous loop's. Counters for tests and monitoring:
+    `num_free_blocks`, `num_total_blocks`, `num_free_slots`, `num_total_slots`, `num_steps`,
+    `num_preemptions`, `num_async_steps` (steps launched while the previous one was in flight).
     """
 
     def __init__(
