@@ -256,7 +256,6 @@ class ModelRunner:
             from runner.prompt_embeds import PromptEmbedsState
 
             self.prompt_embeds_state = PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device)
-        self.num_embeds_reqs = 0
         # runner.mm_state.MultimodalState, set by the LLM: encoders, encoder cache, M-RoPE positions.
         self.mm = None
         self.sampler = Sampler()
@@ -352,15 +351,14 @@ class ModelRunner:
         if request.prompt_embeds is not None:
             self.prompt_embeds_state.add_request(slot, request.request_id, request.prompt_embeds,
                                                  request.is_token_ids)
-            self.num_embeds_reqs += 1
         if self.mm is not None:
             self.mm.add_request(request)
 
     def remove_request(self, request: Request) -> None:
-        """Called before the slot goes back to the free list: its model state must be gone first."""
+        """Called before the slot goes back to the free list: its model state must be gone first.
+        Safe after a failed `add_request` too (removal is by id and ignores what is not there)."""
         if request.prompt_embeds is not None:
             self.prompt_embeds_state.remove_request(request.request_id)
-            self.num_embeds_reqs -= 1
         if self.mm is not None:
             self.mm.remove_request(request)
         self.num_blocks_known[request.slot] = 0
@@ -485,9 +483,9 @@ class ModelRunner:
                     v.positions[:r] += deltas
             else:
                 positions = self.mm.step_positions(so.requests, so.num_scheduled_tokens)
-        if self.num_embeds_reqs:
-            self.prompt_embeds_state.apply(embeds[:t], v.idx_mapping[:r], v.query_start_loc[: r + 1],
-                                           v.num_computed_by_slot)
+        pe = self.prompt_embeds_state
+        if pe is not None and pe.num_requests_with_embeds:
+            pe.apply(embeds[:t], v.idx_mapping[:r], v.query_start_loc[: r + 1], v.num_computed_by_slot)
         if bucket:
             self.graphs[bucket].replay()
             self.num_graph_replays += 1

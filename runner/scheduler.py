@@ -119,8 +119,11 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- slots
     def _admit(self, request: Request) -> None:
+        """Slot, RUNNING and in `running` before the runner is told, so that if `on_admit` raises
+        (say, out of device memory) `abort_request` still finds the request and frees everything."""
         request.slot = self.free_slots.popleft()
         request.status = RequestStatus.RUNNING
+        self.running.append(request)
         self.on_admit(request)
 
     def _release(self, request: Request) -> None:
@@ -189,7 +192,6 @@ class Scheduler:
                 self.waiting.popleft()
                 request.num_computed_tokens = num_cached
                 self._admit(request)
-                self.running.append(request)
                 self._add(out, request, n, scheduled)
                 budget -= n
 

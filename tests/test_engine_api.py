@@ -261,6 +261,28 @@ def test_abort_frees_blocks_and_slots(llm):
     _assert_all_free(llm)
 
 
+def test_failed_admission_frees_blocks_and_slots(llm, monkeypatch):
+    """If the runner fails while admitting a request (say, out of device memory uploading its
+    embeddings), `generate` raises that error and leaves every block and slot free."""
+    state = llm.runner.prompt_embeds_state
+    real_add = state.add_request
+
+    def failing_add(slot, req_id, *args, **kwargs):
+        real_add(slot, req_id, None)  # the slot is taken for the id, the upload then fails
+        raise RuntimeError("simulated out of memory")
+
+    monkeypatch.setattr(state, "add_request", failing_add)
+    prompts = [{"prompt_token_ids": _ids(6, 1)}, {"prompt_embeds": torch.randn(5, HIDDEN)}]
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    _assert_all_free(llm)
+    assert state.num_requests_with_embeds == 0
+    monkeypatch.undo()
+    out = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+    _assert_all_free(llm)
+
+
 def test_profile_step_leaves_the_engine_clean(llm):
     """The memory-profiling step (run at construction on the GPU) goes through `execute` with more
     tokens than one context holds; afterwards the engine generates exactly as before."""
