@@ -29,22 +29,32 @@ def block_hash(parent_hash: bytes | None, token_ids: Sequence[int], embeds_hash:
 
 
 class BlockManager:
-    """Allocates KV blocks to requests from a free list; all-or-nothing per request and step."""
+    """Allocates KV blocks to requests from a free list; all-or-nothing per request and step.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    The free pool is reached only through `num_free_blocks`, `_take_free_block` and
+    `_return_free_block`, which `PrefixCachingBlockManager` overrides (its freed blocks stay
+    findable by content until taken again); allocation and freeing themselves are shared.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_cnt = [0] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    def _take_free_block(self) -> int:
+        return self._free.popleft()
+
+    def _return_free_block(self, block: int) -> None:
+        self._free.append(block)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -53,16 +63,13 @@ class BlockManager:
         """Blocks `request` still needs so that its table covers `num_tokens` positions."""
         return max(0, self.num_blocks_for(num_tokens) - len(request.block_ids))
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
-
     def allocate_slots(self, request: Request, num_tokens: int) -> bool:
         """Grow `request.block_ids` to cover `num_tokens` positions; False (nothing taken) if short."""
         need = self.num_new_blocks(request, num_tokens)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            block = self._free.popleft()
+            block = self._take_free_block()
             self._ref_cnt[block] = 1
             request.block_ids.append(block)
         return True
@@ -72,12 +79,12 @@ class BlockManager:
         for block in reversed(request.block_ids):
             self._ref_cnt[block] -= 1
             if self._ref_cnt[block] == 0:
-                self._free.append(block)
+                self._return_free_block(block)
         request.block_ids = []
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Prefix-cache hook: (reusable block ids, tokens they cover) for a newly admitted request.
 
-        Returns nothing until prefix caching lands; the scheduler already calls it at admission.
+        None without prefix caching (`runner.prefix_cache.PrefixCachingBlockManager` finds them).
         """
         return [], 0

@@ -76,8 +76,10 @@ class PrefixCachingBlockManager(BlockManager):
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching=True)
+        super().__init__(num_blocks, block_size)
         # Free pool in LRU order (least recently freed first); cached blocks stay here, evictable.
+        # It replaces the base class's deque, which is left empty.
+        self._free.clear()
         self._free_lru: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._hash_of_block: dict[int, bytes] = {}
         self._block_of_hash: dict[bytes, int] = {}
@@ -93,15 +95,16 @@ class PrefixCachingBlockManager(BlockManager):
     def num_cached_blocks(self) -> int:
         return len(self._hash_of_block)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free_lru)
-
     def _take_free_block(self) -> int:
+        """The least recently freed block; its key (if any) is dropped: it is about to be rewritten."""
         block, _ = self._free_lru.popitem(last=False)
         key = self._hash_of_block.pop(block, None)
         if key is not None:
             del self._block_of_hash[key]
         return block
+
+    def _return_free_block(self, block: int) -> None:
+        self._free_lru[block] = None  # keeps its key: evictable, still found by content
 
     def _register_computed(self, request: Request) -> None:
         """Key every full block of `request` whose KV is computed and not yet keyed."""
@@ -120,22 +123,11 @@ class PrefixCachingBlockManager(BlockManager):
 
     def allocate_slots(self, request: Request, num_tokens: int) -> bool:
         self._register_computed(request)
-        need = self.num_new_blocks(request, num_tokens)
-        if need > len(self._free_lru):
-            return False
-        for _ in range(need):
-            block = self._take_free_block()
-            self._ref_cnt[block] = 1
-            request.block_ids.append(block)
-        return True
+        return super().allocate_slots(request, num_tokens)
 
     def free(self, request: Request) -> None:
         self._register_computed(request)
-        for block in reversed(request.block_ids):
-            self._ref_cnt[block] -= 1
-            if self._ref_cnt[block] == 0:
-                self._free_lru[block] = None
-        request.block_ids = []
+        super().free(request)
         self._num_registered.pop(request.request_id, None)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
