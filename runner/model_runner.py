@@ -336,7 +336,6 @@ class ModelRunner:
         return int(peak)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.num_kv_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
 
     # ----------------------------------------------------------------------------- slots

@@ -135,10 +135,6 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def has_embeds(self) -> bool:
-        return self.prompt_embeds is not None
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -84,7 +84,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Counters for tests and metrics.
         self.num_preemptions = 0
-        self.num_steps_scheduled = 0
         self.num_partial_prefills = 0  # chunks that did not finish their request's prefill
         self.num_mixed_steps = 0  # steps that carried decodes and prefill chunks together
         self.num_discarded_tokens = 0  # async scheduling: sampled for a request that had already ended
@@ -109,12 +108,11 @@ class Scheduler:
         if request is None or request.is_finished:
             return None
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-            self._release(request)
+            self._retire(request)
         else:
             self.waiting.remove(request)
+            del self.requests[request_id]
         request.status = RequestStatus.FINISHED_ABORTED
-        del self.requests[request_id]
         return request
 
     # ----------------------------------------------------------------------------- slots
@@ -133,6 +131,12 @@ class Scheduler:
             self.on_release(request)
             self.free_slots.append(request.slot)
             request.slot = None
+
+    def _retire(self, request: Request) -> None:
+        """A running request finished: out of the running set, everything it held released."""
+        self.running.remove(request)
+        self._release(request)
+        del self.requests[request.request_id]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -195,7 +199,6 @@ class Scheduler:
                 self._add(out, request, n, scheduled)
                 budget -= n
 
-        self.num_steps_scheduled += 1
         if 1 in out.num_scheduled_tokens and not out.is_decode_only:
             self.num_mixed_steps += 1
         return out
@@ -240,9 +243,7 @@ class Scheduler:
             if not bm.allocate_slots(r, r.num_computed_tokens + k):
                 return None
         n = len(self.running)
-        out = SchedulerOutput(list(self.running), [1] * n, [True] * n)
-        self.num_steps_scheduled += k
-        return out
+        return SchedulerOutput(list(self.running), [1] * n, [True] * n)
 
     def update_window(self, out: SchedulerOutput, tokens: list[list[int]]) -> list[Request]:
         """Advance each request through its window tokens until it stops; later tokens are dropped."""
@@ -252,9 +253,7 @@ class Scheduler:
                 request.num_computed_tokens += 1
                 request.append_output_token(token)
                 if request.check_stop():
-                    self.running.remove(request)
-                    self._release(request)
-                    del self.requests[request.request_id]
+                    self._retire(request)
                     finished.append(request)
                     break
         return finished
@@ -294,9 +293,7 @@ class Scheduler:
             request.resolve_pending_output(token, logprob, top)
             if request.check_stop():
                 request.drop_pending_outputs()
-                self.running.remove(request)
-                self._release(request)
-                del self.requests[request.request_id]
+                self._retire(request)
                 finished.append(request)
         return finished
 
