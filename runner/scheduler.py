@@ -217,20 +217,22 @@ class Scheduler:
 
         Only when nothing waits for admission and every running request decodes greedily with
         no penalties, logprobs or pending min_tokens. The window never reaches past any request's
-        context (`max_model_len`); a request that stops inside the window (EOS, stop ids or
-        strings, max_tokens) wastes the rest of it on its own KV blocks, and its later tokens are
-        dropped.
+        context (`max_model_len`), nor past the step at which every request has reached its
+        max_tokens. A request that stops inside the window (EOS, stop ids or strings, max_tokens)
+        wastes the rest of it on its own KV blocks, and its later tokens are dropped.
         """
         if max_window <= 1 or self.waiting or not self.running:
             return 1
         k = max_window
+        most_left = 0  # tokens the longest-running request may still produce
         for r in self.running:
             p = r.sampling_params
             if (r.num_tokens - r.num_computed_tokens != 1 or not p.is_greedy or p.uses_penalties
                     or p.logprobs is not None or r.num_output_tokens < p.min_tokens):
                 return 1
             k = min(k, max_model_len - r.num_tokens)
-        return k
+            most_left = max(most_left, p.max_tokens - r.num_output_tokens)
+        return min(k, most_left)
 
     def schedule_decode_window(self, k: int) -> SchedulerOutput | None:
         """Every running request decodes `k` tokens; KV blocks for all of them are taken now.

@@ -283,3 +283,20 @@ def test_fused_rotary_matches_hf(family, hf_reference):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(outside, expected))
     assert all(torch.equal(a, b) for a, b in zip(inside, got))
+
+
+def test_decode_window_stops_where_every_request_reaches_max_tokens():
+    """Window steps after every running request has reached its max_tokens would only be dropped."""
+    from runner.block_manager import BlockManager
+    from runner.request import Request
+    from runner.scheduler import Scheduler
+
+    scheduler = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    for i, (max_tokens, done) in enumerate([(5, 1), (10, 4)]):
+        req = Request(f"w{i}", i, [11, 12, 13], SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                      output_token_ids=[20] * done)
+        req.num_computed_tokens = req.num_tokens - 1  # a plain decode
+        scheduler.running.append(req)
+    assert scheduler.decode_window_size(32, 1000) == 10 - 4  # the longest still needs 6 tokens
+    assert scheduler.decode_window_size(4, 1000) == 4
+    assert scheduler.decode_window_size(32, 3 + 4 + 2) == 2  # the context limit still bounds it
