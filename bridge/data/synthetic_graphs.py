@@ -8,9 +8,8 @@ tower sees degree embeddings, and the demo recipe adds an exact node-count embed
 
 from __future__ import annotations
 
-import numpy as np
-
 from bridge.data.example import Example
+from bridge.data.synthetic_base import SyntheticDataset
 
 KINDS: tuple[str, ...] = ("cycle", "path", "star", "clique", "wheel")
 SIZES: tuple[int, ...] = (4, 5, 6, 7, 8, 9)
@@ -32,26 +31,18 @@ def kind_edges(kind: str, n: int) -> list[tuple[int, int]]:
     raise ValueError(f"unknown graph kind {kind!r}; choose from {KINDS}")
 
 
-class GraphsDataset:
+class GraphsDataset(SyntheticDataset):
     modality = "graph"
 
     def __init__(self, num_items: int, *, seed: int, split: str, prompt: str = "<graph>"):
-        self.num_items = num_items
-        self.seed = seed
-        self.split_id = {"train": 0, "eval": 1}[split]
-        self.prompt = prompt
-
-    def __len__(self) -> int:
-        return self.num_items
+        super().__init__(num_items, seed=seed, split=split, prompt=prompt)
 
     @staticmethod
     def vocab_words() -> list[str]:
         return ["a", *KINDS, "with", "nodes", *NUMBER_WORDS.values()]
 
     def __getitem__(self, index: int) -> Example:
-        if not 0 <= index < self.num_items:
-            raise IndexError(index)
-        rng = np.random.default_rng([self.seed, self.split_id, index])
+        rng = self._item_rng(index)
         kind = KINDS[rng.integers(len(KINDS))]
         n = int(SIZES[rng.integers(len(SIZES))])
         relabel = rng.permutation(n)

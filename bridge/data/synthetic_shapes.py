@@ -11,6 +11,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from bridge.data.example import Example
+from bridge.data.synthetic_base import SyntheticDataset
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -21,7 +22,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 
 
-class ShapesDataset:
+class ShapesDataset(SyntheticDataset):
     modality = "image"
 
     def __init__(
@@ -35,10 +36,7 @@ class ShapesDataset:
         min_size: float = 0.5,
         max_size: float = 0.9,
     ):
-        self.num_items = num_items
-        self.seed = seed
-        self.split_id = {"train": 0, "eval": 1}[split]
-        self.prompt = prompt
+        super().__init__(num_items, seed=seed, split=split, prompt=prompt)
         self.image_size = image_size
         if not 0 < min_size <= max_size <= 1:
             raise ValueError(
@@ -46,17 +44,12 @@ class ShapesDataset:
             )
         self.min_size, self.max_size = min_size, max_size
 
-    def __len__(self) -> int:
-        return self.num_items
-
     @staticmethod
     def vocab_words() -> list[str]:
         return ["a", *COLOURS, *SHAPES]
 
     def __getitem__(self, index: int) -> Example:
-        if not 0 <= index < self.num_items:
-            raise IndexError(index)
-        rng = np.random.default_rng([self.seed, self.split_id, index])
+        rng = self._item_rng(index)
         colour = list(COLOURS)[rng.integers(len(COLOURS))]
         shape = SHAPES[rng.integers(len(SHAPES))]
         return Example(self.prompt, f"a {colour} {shape}", {"image": [self._draw(rng, colour, shape)]})

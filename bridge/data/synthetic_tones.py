@@ -10,12 +10,13 @@ import numpy as np
 import torch
 
 from bridge.data.example import Example
+from bridge.data.synthetic_base import SyntheticDataset
 
 PITCHES: dict[str, float] = {"low": 300.0, "mid": 800.0, "high": 2000.0}
 COUNTS: tuple[str, ...] = ("one", "two", "three")
 
 
-class TonesDataset:
+class TonesDataset(SyntheticDataset):
     modality = "audio"
 
     def __init__(
@@ -28,24 +29,16 @@ class TonesDataset:
         sample_rate: int = 16000,
         duration_s: float = 0.5,
     ):
-        self.num_items = num_items
-        self.seed = seed
-        self.split_id = {"train": 0, "eval": 1}[split]
-        self.prompt = prompt
+        super().__init__(num_items, seed=seed, split=split, prompt=prompt)
         self.sample_rate = sample_rate
         self.duration_s = duration_s
-
-    def __len__(self) -> int:
-        return self.num_items
 
     @staticmethod
     def vocab_words() -> list[str]:
         return [*COUNTS, *PITCHES, "beep", "beeps"]
 
     def __getitem__(self, index: int) -> Example:
-        if not 0 <= index < self.num_items:
-            raise IndexError(index)
-        rng = np.random.default_rng([self.seed, self.split_id, index])
+        rng = self._item_rng(index)
         pitch = list(PITCHES)[rng.integers(len(PITCHES))]
         count = int(rng.integers(1, len(COUNTS) + 1))
         target = f"{COUNTS[count - 1]} {pitch} {'beep' if count == 1 else 'beeps'}"
