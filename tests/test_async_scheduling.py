@@ -9,27 +9,13 @@ import warnings
 
 import pytest
 import torch
+from helpers import IdentityEncoder
 
-from runner.encoder_protocol import tensor_content_hash
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
 from runner.tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-class ImageEncoder:
-    modality = "image"
-    is_realtime = False
-
-    def num_rows(self, item):
-        return int(item.shape[0])
-
-    def content_hash(self, item):
-        return tensor_content_hash(item)
-
-    def encode(self, items):
-        return [i.clone() for i in items]
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +44,10 @@ def test_async_on_for_token_and_embeds_prompts_same_tokens(model_dir):
 
 def test_async_with_encoders_explicit_is_error_default_warns(model_dir):
     with pytest.raises(ValueError, match="async scheduling"):
-        LLM(model_dir, encoders={"image": ImageEncoder()}, async_scheduling=True, device="cpu",
+        LLM(model_dir, encoders={"image": IdentityEncoder("image")}, async_scheduling=True, device="cpu",
             num_kv_blocks=16)
     with pytest.warns(UserWarning, match="async scheduling turned off"):
-        llm = LLM(model_dir, encoders={"image": ImageEncoder()}, device="cpu", num_kv_blocks=16)
+        llm = LLM(model_dir, encoders={"image": IdentityEncoder("image")}, device="cpu", num_kv_blocks=16)
     assert llm.async_scheduling is False
 
 
@@ -72,7 +58,7 @@ def test_async_then_multimodal_prompt(model_dir):
         explicit.generate(["text", item], GREEDY, use_tqdm=False)
     assert explicit.num_steps == 0
     with pytest.raises(ValueError, match="async scheduling"):
-        explicit.register_encoder(ImageEncoder())
+        explicit.register_encoder(IdentityEncoder("image"))
     default = LLM(model_dir, device="cpu", num_kv_blocks=16)
     with pytest.warns(UserWarning, match="async scheduling turned off"):
         out = default.generate(item, GREEDY, use_tqdm=False)

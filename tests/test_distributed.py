@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import tiny_graph_recipe_parts
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,22 +28,7 @@ RECIPE = {
     "name": "ddp",
     "seed": 0,
     "stage": "finetune",
-    "model": {
-        "tiny": {
-            "hidden_size": 32,
-            "num_layers": 1,
-            "num_heads": 2,
-            "num_kv_heads": 1,
-            "head_dim": 16,
-            "intermediate_size": 64,
-        }
-    },
-    "encoder": {
-        "modality": "graph",
-        "tower": {"name": "gin", "dim": 32, "num_layers": 2, "readout_tokens": 2},
-        "projector": {"name": "mlp", "num_layers": 2},
-    },
-    "data": {"source": "graphs", "prompt": "<graph>", "num_train": 64, "num_eval": 8},
+    **tiny_graph_recipe_parts(),
     "train": {
         "max_steps": 4,
         "lr": 1e-2,

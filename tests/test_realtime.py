@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import IdentityEncoder
 
-from runner.encoder_protocol import tensor_content_hash
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
 from runner.tiny_models import build_tiny_model
@@ -25,40 +25,9 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPT_IDS = [11, 42, 97, 120, 7, 64]
 
 
-class StreamEncoder:
+def _stream_encoder() -> IdentityEncoder:
     """Realtime "audio": a chunk is an (n, hidden) tensor and encodes to itself."""
-
-    modality = "audio"
-    is_realtime = True
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-
-    def num_rows(self, chunk):
-        return int(chunk.shape[0])
-
-    def content_hash(self, chunk):
-        return tensor_content_hash(chunk)
-
-    def encode(self, chunks):
-        self.calls.append(len(chunks))
-        return [c.clone() for c in chunks]
-
-
-class ImageEncoder:
-    modality = "image"
-    is_realtime = False
-
-    def num_rows(self, item):
-        return int(item.shape[0])
-
-    def content_hash(self, item):
-        return tensor_content_hash(item)
-
-    def encode(self, items):
-        return [i.clone() for i in items]
-
-
+    return IdentityEncoder("audio", is_realtime=True)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +80,7 @@ def _reference(hf_model, chunk: torch.Tensor, offset: int) -> list[int]:
 
 
 def test_tokens_after_a_streamed_chunk_depend_on_it(model_dir, hf_model):
-    enc = StreamEncoder()
+    enc = _stream_encoder()
     llm = LLM(model_dir, encoders={"audio": enc}, device="cpu", num_kv_blocks=64)
     a, b = _chunk(1), _chunk(2)
     tok_a, off_a, before = _stream(llm, a)
@@ -127,7 +96,7 @@ def test_tokens_after_a_streamed_chunk_depend_on_it(model_dir, hf_model):
 
 
 def test_two_chunks_queue_one_after_the_other(model_dir, hf_model):
-    llm = LLM(model_dir, encoders={"audio": StreamEncoder()}, device="cpu", num_kv_blocks=64)
+    llm = LLM(model_dir, encoders={"audio": _stream_encoder()}, device="cpu", num_kv_blocks=64)
     rid = llm.add_request({"prompt_token_ids": PROMPT_IDS}, PARAMS)
     llm.step()
     first, second = _chunk(3, 2), _chunk(4, 2)
@@ -142,8 +111,8 @@ def test_two_chunks_queue_one_after_the_other(model_dir, hf_model):
 
 
 def test_non_realtime_engine_never_gathers_in_decode(model_dir):
-    llm = LLM(model_dir, encoders={"image": ImageEncoder()}, enable_prompt_embeds=True, device="cpu",
-              num_kv_blocks=64, max_num_batched_tokens=8)
+    llm = LLM(model_dir, encoders={"image": IdentityEncoder("image")}, enable_prompt_embeds=True,
+              device="cpu", num_kv_blocks=64, max_num_batched_tokens=8)
     gathered: list[tuple[bool, bool]] = []
     gather = llm.mm.gather_step
 
@@ -171,7 +140,7 @@ def test_streamed_rows_through_decode_graph_buckets(model_dir):
     rows exactly like eager steps."""
     results = []
     for emulate in (False, True):
-        llm = LLM(model_dir, encoders={"audio": StreamEncoder()}, device="cpu", num_kv_blocks=64,
+        llm = LLM(model_dir, encoders={"audio": _stream_encoder()}, device="cpu", num_kv_blocks=64,
                   max_num_seqs=4)
         if emulate:
             llm.runner.capture_cuda_graphs(emulate=True)

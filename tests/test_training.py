@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_graph_recipe_parts
 
 from bridge.recipe import apply_overrides, validate
 from bridge.training import checkpoint as ckpt_io
@@ -28,22 +29,7 @@ BASE = {
     "name": "t",
     "seed": 0,
     "stage": "align",
-    "model": {
-        "tiny": {
-            "hidden_size": 32,
-            "num_layers": 1,
-            "num_heads": 2,
-            "num_kv_heads": 1,
-            "head_dim": 16,
-            "intermediate_size": 64,
-        }
-    },
-    "encoder": {
-        "modality": "graph",
-        "tower": {"name": "gin", "dim": 32, "num_layers": 2, "readout_tokens": 2},
-        "projector": {"name": "mlp", "num_layers": 2},
-    },
-    "data": {"source": "graphs", "prompt": "<graph>", "num_train": 64, "num_eval": 8},
+    **tiny_graph_recipe_parts(),
     "train": {
         "batch_size": 4,
         "max_steps": 3,

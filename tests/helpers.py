@@ -1,0 +1,48 @@
+"""Small pieces several test files share (imported as `helpers`: pytest puts `tests/` on the path)."""
+
+from __future__ import annotations
+
+from runner.encoder_protocol import tensor_content_hash
+
+
+class IdentityEncoder:
+    """An encoder whose item is an (n, hidden) tensor that encodes to itself, so the rows a test
+    puts in are the rows the model reads. `calls` records the batch size of every `encode`."""
+
+    def __init__(self, modality: str = "image", *, is_realtime: bool = False) -> None:
+        self.modality = modality
+        self.is_realtime = is_realtime
+        self.calls: list[int] = []
+
+    def num_rows(self, item) -> int:
+        return int(item.shape[0])
+
+    def content_hash(self, item) -> str:
+        return tensor_content_hash(item)
+
+    def encode(self, items):
+        self.calls.append(len(items))
+        return [item.clone() for item in items]
+
+
+def tiny_graph_recipe_parts() -> dict:
+    """The model, encoder and data sections of the cheapest recipe to train on a CPU (a one-layer
+    tiny LLM reading synthetic graphs through a small GIN); fresh dicts on every call."""
+    return {
+        "model": {
+            "tiny": {
+                "hidden_size": 32,
+                "num_layers": 1,
+                "num_heads": 2,
+                "num_kv_heads": 1,
+                "head_dim": 16,
+                "intermediate_size": 64,
+            }
+        },
+        "encoder": {
+            "modality": "graph",
+            "tower": {"name": "gin", "dim": 32, "num_layers": 2, "readout_tokens": 2},
+            "projector": {"name": "mlp", "num_layers": 2},
+        },
+        "data": {"source": "graphs", "prompt": "<graph>", "num_train": 64, "num_eval": 8},
+    }
