@@ -22,22 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-QWEN3_06B = dict(
-    hidden_size=1024,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-)
+# The same Qwen3-0.6B shape as the engine benchmark (one definition for all benchmarks).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate import QWEN3_06B  # noqa: E402
+
 SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
 PROMPT = "<image>\nDescribe the image."
 
