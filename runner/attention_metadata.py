@@ -59,6 +59,11 @@ class ForwardContext:
 _CONTEXT: ForwardContext | None = None
 
 
+def current_forward_context() -> ForwardContext | None:
+    """The context of the Bridge forward pass running now, or None outside one (no exception)."""
+    return _CONTEXT
+
+
 def get_forward_context() -> ForwardContext:
     if _CONTEXT is None:
         raise RuntimeError("paged attention called outside of a Bridge forward context")

@@ -32,6 +32,11 @@ def set_attention_backend(backend: Backend) -> Backend:
     return previous
 
 
+def get_attention_backend() -> Backend:
+    """The backend `set_attention_backend` picked (the fused decoder layers attend through it too)."""
+    return _backend
+
+
 def bridge_paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

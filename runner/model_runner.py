@@ -230,6 +230,7 @@ class ModelRunner:
         if fused_ops is None:
             fused_ops = device.type == "cuda" and os.environ.get("BRIDGE_FUSED_OPS", "1") != "0"
         self.num_fused_norms, self.fused_rotary, self.num_fused_linears = 0, False, (0, 0)
+        self.num_fused_layers = 0
         if fused_ops:
             from runner.fused_ops import fuse_rmsnorms, fuse_rotary
 
@@ -240,6 +241,11 @@ class ModelRunner:
                 from runner.fused_linear import fuse_linears
 
                 self.num_fused_linears = fuse_linears(self.model)
+                # The whole decoder layer on fused kernels (runner.fused_layers); BRIDGE_FUSED_LAYERS=0 A/B.
+                if os.environ.get("BRIDGE_FUSED_LAYERS", "1") != "0":
+                    from runner.fused_layers import fuse_decoder_layers
+
+                    self.num_fused_layers = fuse_decoder_layers(self.model)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
@@ -364,7 +370,7 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- forward
     def _forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_indices: torch.Tensor | None) -> torch.Tensor:
+                 logits_indices: torch.Tensor | None, to_float: bool = True) -> torch.Tensor:
         # positions: (T,) or, on M-RoPE models, (3, T) -> position_ids (3, 1, T).
         with set_forward_context(ForwardContext(meta, self.kv_caches)):
             hidden = self.decoder(
@@ -372,7 +378,8 @@ class ModelRunner:
             ).last_hidden_state[0]
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits.float() if to_float else logits
 
     def can_replay(self, num_reqs: int) -> bool:
         """Whether a decode step of `num_reqs` requests has a captured graph bucket."""
@@ -718,7 +725,8 @@ class ModelRunner:
         embeds = self.embeds_builder.dummy_inputs_embeds(b)
 
         def body() -> None:
-            self.graph_logits[:b].copy_(self._forward(embeds, v.positions, meta, None))
+            # The fp32 buffer takes the model-dtype logits in one casting copy (no fp32 temporary).
+            self.graph_logits[:b].copy_(self._forward(embeds, v.positions, meta, None, to_float=False))
 
         return body
 

@@ -1,0 +1,209 @@
+"""The fused decoder-layer forward (runner.fused_layers) computes what Hugging Face's layers compute.
+
+The new kernel (q/k norm + rotary + KV-cache write) against a torch reference under
+TRITON_INTERPRET; the engine's greedy tokens with fused layers (chunked prefill, emulated decode
+graphs, decode windows) equal HF `generate` on tiny fp32 llama / qwen2 / qwen3 models; outside a
+Bridge forward the layers run HF's own forward; layouts the fused forward does not cover are left alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner import fused_layers, fused_linear
+from runner.llm import LLM
+from runner.sampling_params import SamplingParams
+from runner.tiny_models import build_tiny_model
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+NUM_LAYERS = 2
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused_layer_models")
+    return {f: build_tiny_model(root / f, f, seed=7, num_layers=NUM_LAYERS) for f in FAMILIES}
+
+
+def _load(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@pytest.fixture
+def fused_on_cpu():
+    fused_layers.FUSED_LAYERS_ON_CPU = True
+    fused_linear.SILU_MUL_ON_CPU = True
+    try:
+        yield
+    finally:
+        fused_layers.FUSED_LAYERS_ON_CPU = False
+        fused_linear.SILU_MUL_ON_CPU = False
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = []
+    original = fused_layers.qkv_norm_rope_write
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_layers, "qkv_norm_rope_write", counting)
+    return calls
+
+
+def _reference(qkv, hq, hkv, cos, sin, qk_norm):
+    """HF's arithmetic: per-head RMSNorm (rounded to the input dtype, times the weight), rotary in fp32."""
+    t, d = qkv.shape[0], cos.shape[-1]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+    if qk_norm is not None:
+        qw, kw, eps = qk_norm
+
+        def norm(x, w):
+            x32 = x.float()
+            return (w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).to(x.dtype)
+
+        q, k = norm(q, qw), norm(k, kw)
+
+    def rope(x):
+        x32, c, s = x.float(), cos.float()[:, None], sin.float()[:, None]
+        rot = torch.cat([-x32[..., d // 2 :], x32[..., : d // 2]], dim=-1)
+        return (x32 * c + rot * s).to(x.dtype)
+
+    return rope(q), rope(k), v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qkv_norm_rope_write_matches_reference(dtype, with_norm):
+    g = torch.Generator().manual_seed(11)
+    t, hq, hkv, d, block_size, num_blocks = 6, 4, 2, 16, 4, 5
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 2).to(dtype)
+    angles = torch.randn(t, d // 2, generator=g)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    qk_norm = None
+    if with_norm:
+        qw, kw = ((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2))
+        qk_norm = (qw, kw, 1e-6)
+    slots = torch.tensor([3, 17, -1, 0, 9, 12])  # -1: a padding row writes nothing
+    sentinel = 7.0
+    key_cache = torch.full((num_blocks, block_size, hkv, d), sentinel, dtype=dtype)
+    value_cache = torch.full_like(key_cache, sentinel)
+
+    q = fused_layers.qkv_norm_rope_write(qkv, hq, hkv, cos, sin, key_cache, value_cache, slots, qk_norm)
+    want_q, want_k, want_v = _reference(qkv, hq, hkv, cos, sin, qk_norm)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(q, want_q, rtol=tol, atol=tol)
+    flat_k, flat_v = key_cache.view(-1, hkv, d), value_cache.view(-1, hkv, d)
+    for row, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        torch.testing.assert_close(flat_k[slot], want_k[row], rtol=tol, atol=tol)
+        torch.testing.assert_close(flat_v[slot], want_v[row], rtol=0, atol=0)  # v is only copied
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert (flat_k[untouched] == sentinel).all() and (flat_v[untouched] == sentinel).all()
+
+
+def test_qkv_norm_rope_write_rejects_bad_shapes():
+    kc = torch.zeros(2, 4, 2, 16)
+    cos = torch.zeros(3, 16)
+    with pytest.raises(ValueError, match="qkv must be"):
+        fused_layers.qkv_norm_rope_write(torch.zeros(3, 100), 4, 2, cos, cos, kc, kc.clone(), torch.zeros(3))
+    with pytest.raises(ValueError, match="cos/sin"):
+        fused_layers.qkv_norm_rope_write(torch.zeros(3, 128), 4, 2, cos[:2], cos[:2], kc, kc.clone(),
+                                         torch.zeros(3))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_greedy_with_fused_layers_matches_hf(family, model_dirs, fused_on_cpu, kernel_calls):
+    ref = _load(model_dirs[family])
+    g = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(10, ref.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 30, 9)]
+    max_tokens = 8
+    with torch.no_grad():
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[0, len(p):]
+                    .tolist() for p in prompts]
+
+    # A 32-token budget chunks the 30-token prompt and mixes prefill with decode rows.
+    llm = LLM(model_dirs[family], dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=32,
+              max_num_seqs=4)
+    model = llm.runner.model
+    assert fused_linear.fuse_linears(model) == (NUM_LAYERS, NUM_LAYERS)
+    assert fused_layers.fuse_decoder_layers(model) == NUM_LAYERS
+    assert fused_layers.fuse_decoder_layers(model) == 0  # idempotent
+    llm.runner.capture_cuda_graphs(emulate=True)  # decode steps on fixed, padded buffers
+    llm.decode_window = 3
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.runner.num_graph_replays > 0
+    assert len(kernel_calls) >= NUM_LAYERS * llm.runner.num_forward_steps  # every layer, every step, fused
+    assert llm.num_free_blocks == llm.num_total_blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_outside_a_bridge_forward_layers_run_hf_forward(family, model_dirs, fused_on_cpu, kernel_calls):
+    ref, model = _load(model_dirs[family]), _load(model_dirs[family])
+    fused_linear.fuse_linears(model)
+    assert fused_layers.fuse_decoder_layers(model) == NUM_LAYERS
+    ids = torch.randint(5, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+    assert kernel_calls == []
+
+
+def test_layouts_the_fused_forward_does_not_cover_are_left_alone(model_dirs):
+    model = _load(model_dirs["qwen3"])
+    assert fused_layers.fuse_decoder_layers(model) == 0  # projections not merged yet
+    fused_linear.fuse_linears(model)
+    model.model.layers[0].self_attn.sliding_window = 8
+    assert fused_layers.fuse_decoder_layers(model) == NUM_LAYERS - 1
+    assert not hasattr(model.model.layers[0], "bridge_original_forward")
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_model_runner_installs_fused_layers(model_dirs, monkeypatch, disabled):
+    from transformers import AutoConfig
+
+    from runner.model_runner import ModelRunner
+
+    if disabled:
+        monkeypatch.setenv("BRIDGE_FUSED_LAYERS", "0")
+    path = model_dirs["qwen3"]
+    runner = ModelRunner(str(path), AutoConfig.from_pretrained(path), dtype=torch.float32,
+                         device=torch.device("cpu"), max_num_seqs=4, max_num_batched_tokens=64,
+                         max_model_len=128, block_size=16, enable_prompt_embeds=False, fused_ops=True)
+    assert runner.num_fused_layers == (0 if disabled else NUM_LAYERS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_layers_on_cuda_bf16_match_unfused(family, model_dirs, monkeypatch):
+    """On the GPU: prompt logprobs (eager prefill) and greedy decode (CUDA graphs) with fused layers
+    stay within bf16 noise of the engine without them."""
+    prompts = [{"prompt_token_ids": list(range(10 + i, 40 + 3 * i))} for i in range(4)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=0, logprobs=0)
+
+    def run(fused: bool):
+        monkeypatch.setenv("BRIDGE_FUSED_LAYERS", "1" if fused else "0")
+        llm = LLM(model_dirs[family], dtype="bfloat16", device="cuda", num_kv_blocks=64, max_num_seqs=8)
+        assert llm.runner.num_fused_layers == (NUM_LAYERS if fused else 0)
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    got, want = run(True), run(False)
+    for a, b in zip(got, want):
+        pa = [next(iter(d.values())) for d in a.prompt_logprobs[1:]]
+        pb = [next(iter(d.values())) for d in b.prompt_logprobs[1:]]
+        torch.testing.assert_close(torch.tensor(pa), torch.tensor(pb), rtol=0.05, atol=0.05)
+        first_a = a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]]
+        first_b = b.outputs[0].logprobs[0][b.outputs[0].token_ids[0]]
+        assert abs(first_a - first_b) < 0.05
