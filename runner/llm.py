@@ -68,6 +68,24 @@ class _ParsedPrompt:
     mm: ExpandedPrompt | None = None
 
 
+def _check_embeds_finite(parsed: list[_ParsedPrompt]) -> None:
+    """NaN/Inf in any prompt's embeds is a ValueError naming the first such prompt.
+
+    One host sync per device for the whole call instead of one per prompt (64 prompts on a GPU
+    paid 64 round trips before anything was scheduled).
+    """
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, p in enumerate(parsed):
+        if p.embeds is not None:
+            by_device.setdefault(p.embeds.device, []).append((i, p.embeds))
+    bad = []
+    for items in by_device.values():
+        finite = torch.stack([torch.isfinite(e).all() for _, e in items]).tolist()
+        bad += [i for (i, _), ok in zip(items, finite) if not ok]
+    if bad:
+        raise ValueError(f"prompt {min(bad)}: prompt_embeds contains NaN or Inf")
+
+
 class LLM(MultimodalLLMMixin):
     """An in-process generation engine over a local Hugging Face model directory.
 
@@ -294,8 +312,6 @@ class LLM(MultimodalLLMMixin):
             raise ValueError(f"prompt {i}: prompt_embeds has no rows")
         if n > self.max_model_len:
             raise ValueError(f"prompt {i}: {n} prompt_embeds rows exceed max_model_len {self.max_model_len}")
-        if not bool(torch.isfinite(embeds).all()):
-            raise ValueError(f"prompt {i}: prompt_embeds contains NaN or Inf")
         mask = prompt.get("prompt_is_token_ids")
         token_ids = [PLACEHOLDER_TOKEN_ID] * n
         if mask is not None:
@@ -353,6 +369,7 @@ class LLM(MultimodalLLMMixin):
 
         # Validate everything before anything is scheduled.
         parsed = [self._parse_prompt(i, p) for i, p in enumerate(prompts)]
+        _check_embeds_finite(parsed)
         for i, (pp, sp) in enumerate(zip(parsed, params_list)):
             self._check_params(i, pp, sp)
         requests = [self._make_request(i, pp, sp) for i, (pp, sp) in enumerate(zip(parsed, params_list))]
