@@ -13,6 +13,9 @@ W2: 256 requests, prompt and output lengths uniform in [100, 1024], prompt embed
     Hugging Face runs a 32-request subset as one left-padded batch generating to the subset's
     longest output; its tok/s counts only the tokens the requests asked for.
 
+The embeds/ids ratio is the median over repetitions of the ratio of the two back-to-back runs of
+one repetition (the order alternates); the ratio of the two medians is reported next to it.
+
 Roofline: every decode step reads all weights once and the KV of every live request at the measured
 device-to-device copy bandwidth (read + write bytes over time); prefill runs its FLOPs (linear layers
 plus causal attention) at the measured bf16 matmul rate. Requests run perfectly batched.
@@ -210,12 +213,16 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None, help="where to build (or reuse) the model directory")
     ap.add_argument("--skip-w2", action="store_true")
     ap.add_argument("--repeats", type=int, default=2,
-                    help="timed runs per path after one warm-up run (the median is reported)")
+                    help="W2 (and CPU): timed runs per path after one warm-up run (the median is reported)")
+    ap.add_argument("--w1-repeats", type=int, default=9,
+                    help="W1: timed runs per path (each takes about half a second; the median is reported)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables for W1 (both paths)")
     ap.add_argument("--hf-w2-subset", type=int, default=32)
     ap.add_argument("--decode-window", type=int, default=None,
-                    help="greedy decode steps per host sync (default: the engine's, 8 with CUDA graphs)")
+                    help="greedy decode steps per host sync (default: the engine's, 32 with CUDA graphs)")
     ap.add_argument("--no-fused-ops", action="store_true", help="keep HF's own RMSNorm and rotary (A/B)")
+    ap.add_argument("--no-fused-layers", action="store_true",
+                    help="keep HF's decoder-layer forward (runner.fused_layers off; A/B)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (A/B)")
     ap.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default",
                     help="overlap step n+1's host work with step n's device work (A/B; default: engine's)")
@@ -226,6 +233,8 @@ def main() -> int:
     TEMPERATURE = args.temperature
     if args.no_fused_ops:
         os.environ["BRIDGE_FUSED_OPS"] = "0"
+    if args.no_fused_layers:
+        os.environ["BRIDGE_FUSED_LAYERS"] = "0"
 
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.cpu:
@@ -305,6 +314,7 @@ def main() -> int:
         "cuda_graph_sizes": sorted(llm.runner.graphs), "decode_window": llm.decode_window,
         "fused_rmsnorms": llm.runner.num_fused_norms, "fused_rotary": llm.runner.fused_rotary,
         "fused_linears": list(getattr(llm.runner, "num_fused_linears", (0, 0))),
+        "fused_layers": getattr(llm.runner, "num_fused_layers", 0),
         "max_num_seqs": llm.num_total_slots, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
         "async_scheduling": llm.async_scheduling, "temperature": args.temperature,
     }
@@ -316,8 +326,10 @@ def main() -> int:
         # Warm-up (Triton specialisations, allocator): one full run of each path, alternating, then
         # the timed runs alternate too, so neither path pays the other's first-use costs.
         runs: dict[str, list[dict]] = {"embeds": [], "ids": []}
-        for rep in range(args.repeats + 1):
-            for path, prompts in (("ids", id_prompts), ("embeds", embeds_prompts)):
+        repeats = args.w1_repeats if name == "W1" else args.repeats
+        for rep in range(repeats + 1):
+            order = (("ids", id_prompts), ("embeds", embeds_prompts))
+            for path, prompts in order if rep % 2 == 0 else order[::-1]:  # neither path always goes first
                 res = run_bridge(llm, prompts, output_lens, device, args.temperature)
                 label = "warm-up" if rep == 0 else f"run {rep}"
                 log(f"{name}: Bridge {path} path ({label}): {res['tok_s']:.0f} tok/s "
@@ -334,7 +346,12 @@ def main() -> int:
             "embeds_vs_token_ids_token_match": token_match(emb["tokens"], tok["tokens"]),
             "hf_tok_s": hf_results[name]["tok_s"], "hf_requests": hf_results[name]["requests"],
             "embeds_over_hf": emb["tok_s"] / hf_results[name]["tok_s"],
-            "embeds_over_token_ids": emb["tok_s"] / tok["tok_s"],
+            # Paired: each repetition runs the two paths back to back, so the ratio of a pair cancels
+            # the drift between repetitions (clocks, host noise) that the ratio of medians keeps.
+            "embeds_over_token_ids": statistics.median(
+                e / i for e, i in zip(emb["all_tok_s"], tok["all_tok_s"])),
+            "embeds_over_token_ids_of_medians": emb["tok_s"] / tok["tok_s"],
+            "bridge_embeds_all_tok_s": emb["all_tok_s"], "bridge_token_ids_all_tok_s": tok["all_tok_s"],
         }
         if name == "W2":
             entry["hf_note"] = (
@@ -367,7 +384,7 @@ def main() -> int:
     print(f"engine: CUDA graphs {len(eng['cuda_graph_sizes'])} buckets, "
           f"decode window {eng['decode_window']}, "
           f"fused RMSNorm x{eng['fused_rmsnorms']}, fused rotary {eng['fused_rotary']}, "
-          f"fused MLP/QKV {eng['fused_linears']}, "
+          f"fused MLP/QKV {eng['fused_linears']}, fused layers {eng['fused_layers']}, "
           f"{results['kv_blocks']} KV blocks, {results['preemptions']} preemptions")
     print(f"async scheduling {eng['async_scheduling']} ({results['async_steps']} overlapped steps), "
           f"temperature {eng['temperature']}")
@@ -388,6 +405,8 @@ def main() -> int:
     for name, e in results["workloads"].items():
         for target, ok in e.get("pass", {}).items():
             print(f"{name}: {target}: {'PASS' if ok else 'FAIL'}")
+        print(f"{name}: embeds/ids {e['embeds_over_token_ids']:.3f} (median of paired runs), "
+              f"{e['embeds_over_token_ids_of_medians']:.3f} (ratio of medians)")
         if "hf_note" in e:
             print(f"{name}: {e['hf_note']}")
 
