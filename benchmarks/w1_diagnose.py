@@ -1,0 +1,216 @@
+"""Where W1's time goes (GPU): phase timings, kernel table, host/GPU timeline, host profile.
+
+W1 as in `benchmarks/generate.py` (Qwen3-0.6B-shaped random bf16, 64 x 512 prompt rows, 128 new
+tokens, greedy, ignore_eos). Diagnostics, not a target: they explain the numbers generate.py prints.
+
+    python benchmarks/w1_diagnose.py breakdown   # generate time by max_tokens (1..128) for both paths;
+                                                 # CUDA kernel table of one run and the GPU-busy share;
+                                                 # cuBLAS time of the decode GEMM shapes (M=64, 128)
+    python benchmarks/w1_diagnose.py timeline    # host and GPU time of every engine call of one run:
+                                                 # lag ~0 means the GPU waited for the host there
+    python benchmarks/w1_diagnose.py hostprof    # flagged host syncs (sync debug mode) and a cProfile
+                                                 # of the eager prefill launches
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import functools
+import io
+import pathlib
+import pstats
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import generate as G  # noqa: E402
+
+from runner.llm import LLM  # noqa: E402
+from runner.sampling_params import SamplingParams  # noqa: E402
+
+DEVICE = torch.device("cuda")
+
+
+def build() -> tuple[LLM, list[dict], list[dict]]:
+    from transformers import AutoConfig
+
+    model_dir = pathlib.Path("/tmp/bridge_bench_qwen3_06b")
+    G.build_model(model_dir, False)
+    config = AutoConfig.from_pretrained(model_dir)
+    ids, _, _ = G.workload(64, 512, 512, 128, 128, config.vocab_size, seed=1)
+    llm = LLM(model_dir, enable_prompt_embeds=True, dtype=torch.bfloat16, device=DEVICE, max_num_seqs=256,
+              max_num_batched_tokens=16384, max_model_len=1024, gpu_memory_utilization=0.85)
+    embed = llm.runner.model.get_input_embeddings()
+    embeds = [{"prompt_embeds": embed(torch.tensor(i, device=DEVICE)).detach()} for i in ids]
+    return llm, embeds, [{"prompt_token_ids": i} for i in ids]
+
+
+def run(llm: LLM, prompts: list[dict], max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def warm_up(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
+    for _ in range(2):
+        for prompts in (embeds, ids):
+            run(llm, prompts, 128)
+            run(llm, prompts, 2)
+
+
+# ------------------------------------------------------------------------------------------ breakdown
+
+def breakdown(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
+    for mt in (1, 2, 16, 64, 128):
+        e = [run(llm, embeds, mt) for _ in range(5)]
+        i = [run(llm, ids, mt) for _ in range(5)]
+        print(f"max_tokens {mt:4d}: embeds {statistics.median(e) * 1e3:7.1f} ms  ids "
+              f"{statistics.median(i) * 1e3:7.1f} ms", flush=True)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = run(llm, embeds, 128)
+    total, count = collections.Counter(), collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total[ev.name] += ev.device_time
+            count[ev.name] += 1
+    busy = sum(total.values()) / 1e3
+    print(f"profiled wall {wall * 1e3:.1f} ms, kernel sum {busy:.1f} ms ({busy / (wall * 1e3):.0%} busy)")
+    for name, t in total.most_common(30):
+        print(f"{t / 1e3:9.2f} ms {count[name]:7d} x {t / count[name]:8.2f} us  {name[:110]}")
+
+    shapes = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
+    bandwidth = G.measure_copy_bandwidth(DEVICE)
+    for m in (64, 128):
+        for name, (k, n) in shapes.items():
+            weights = [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) for _ in range(28)]
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+
+            def body(weights=weights, x=x):
+                for w in weights:
+                    torch.nn.functional.linear(x, w)
+
+            body()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                body()
+            graph.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                graph.replay()
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / 50 / 28
+            print(f"M={m} {name:8s} K={k} N={n}: {dt * 1e6:6.2f} us/GEMM, "
+                  f"{n * k * 2 / dt / bandwidth:.0%} of copy BW", flush=True)
+
+
+# ------------------------------------------------------------------------------------------- timeline
+
+def timeline(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
+    marks: list[tuple[str, float, torch.cuda.Event]] = []
+    on = [False]
+
+    def mark(label: str) -> None:
+        if on[0]:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append((label, time.perf_counter(), ev))
+
+    def wrap(obj, name: str, info=None) -> None:
+        f = getattr(obj, name)
+
+        @functools.wraps(f)
+        def wrapped(*a, **k):
+            mark(name + ">" + (info(*a) if info else ""))
+            out = f(*a, **k)
+            mark(name + "<")
+            return out
+
+        setattr(obj, name, wrapped)
+
+    def step_info(so, *_):
+        return f" reqs={so.num_reqs} toks={so.total_num_tokens} decode={so.is_decode_only}"
+
+    wrap(llm.runner, "launch", step_info)
+    wrap(llm.runner, "finish")
+    wrap(llm.runner, "execute_decode_window", lambda so, k: f" reqs={so.num_reqs} k={k}")
+    for name in ("schedule", "schedule_decode_window", "update_window", "finish_step"):
+        wrap(llm.scheduler, name)
+    for path, prompts in (("embeds", embeds), ("ids", ids)):
+        for mt in (2, 128):
+            marks.clear()
+            on[0] = True
+            mark("start")
+            wall = run(llm, prompts, mt)
+            mark("end")
+            torch.cuda.synchronize()
+            on[0] = False
+            print(f"=== {path} max_tokens={mt}: wall {wall * 1e3:.1f} ms; host ms, GPU ms, lag (GPU - host)")
+            h0, e0 = marks[0][1], marks[0][2]
+            for label, h, ev in marks:
+                host, gpu = (h - h0) * 1e3, e0.elapsed_time(ev)
+                print(f"{host:8.2f} {gpu:8.2f} {gpu - host:7.2f}  {label}")
+
+
+# ------------------------------------------------------------------------------------------- hostprof
+
+def hostprof(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
+    for name, prompts in (("ids", ids), ("embeds", embeds)):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run(llm, prompts, 1)
+            print(f"{name}: no flagged host sync in a prefill-only call")
+        except RuntimeError:
+            print(f"{name}: flagged host sync:\n" + "".join(traceback.format_exc().splitlines(True)[-8:]))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        original = llm.runner.launch
+        profiles = []
+
+        def launch(*a, original=original, profiles=profiles, **k):
+            pr = cProfile.Profile()
+            pr.enable()
+            try:
+                return original(*a, **k)
+            finally:
+                pr.disable()
+                profiles.append(pr)
+
+        llm.runner.launch = launch
+        wall = run(llm, prompts, 2)
+        llm.runner.launch = original
+        print(f"=== {name}: max_tokens=2 wall {wall * 1e3:.1f} ms, {len(profiles)} launches; the first:")
+        out = io.StringIO()
+        pstats.Stats(profiles[0], stream=out).sort_stats("tottime").print_stats(20)
+        print(out.getvalue())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=("breakdown", "timeline", "hostprof"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 1
+    llm, embeds, ids = build()
+    warm_up(llm, embeds, ids)
+    {"breakdown": breakdown, "timeline": timeline, "hostprof": hostprof}[args.mode](llm, embeds, ids)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
