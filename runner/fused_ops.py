@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.attention_metadata import current_forward_context
+
 # Norm classes whose forward is exactly: x32 = x.float(); x32 * rsqrt(mean(x32^2) + eps);
 # cast back to x.dtype; multiply by `weight`. (Gemma-style `1 + weight` norms are not listed.)
 FUSABLE_RMSNORM_CLASSES = frozenset(
@@ -156,20 +158,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return qo, ko
 
 
-def _in_bridge_forward() -> bool:
-    from runner.attention_metadata import get_forward_context
-
-    try:
-        get_forward_context()
-    except RuntimeError:
-        return False
-    return True
-
-
 def _wrap_rope(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if (not args and kwargs.get("unsqueeze_dim", 1) == 1 and set(kwargs) <= {"unsqueeze_dim"}
-                and rope_fusable(q, k, cos, sin) and _in_bridge_forward()):
+                and rope_fusable(q, k, cos, sin) and current_forward_context() is not None):
             return apply_rope(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 

@@ -46,3 +46,23 @@ def tiny_graph_recipe_parts() -> dict:
         },
         "data": {"source": "graphs", "prompt": "<graph>", "num_train": 64, "num_eval": 8},
     }
+
+
+def load_hf_fp32(path):
+    """The tiny model at `path` as plain Hugging Face fp32 in eval mode: what the fused paths must match."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def cpu_runner_with_fused_ops(path):
+    """A CPU ModelRunner over `path` with the fused ops requested (as on the GPU), for install checks."""
+    import torch
+    from transformers import AutoConfig
+
+    from runner.model_runner import ModelRunner
+
+    return ModelRunner(str(path), AutoConfig.from_pretrained(path), dtype=torch.float32,
+                       device=torch.device("cpu"), max_num_seqs=4, max_num_batched_tokens=64,
+                       max_model_len=128, block_size=16, enable_prompt_embeds=False, fused_ops=True)

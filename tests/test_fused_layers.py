@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import cpu_runner_with_fused_ops, load_hf_fp32
 
 from runner import fused_layers, fused_linear
 from runner.llm import LLM
@@ -26,12 +27,6 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused_layer_models")
     return {f: build_tiny_model(root / f, f, seed=7, num_layers=NUM_LAYERS) for f in FAMILIES}
-
-
-def _load(path, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 @pytest.fixture
@@ -125,7 +120,7 @@ def test_qkv_norm_rope_write_rejects_bad_shapes():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_greedy_with_fused_layers_matches_hf(family, model_dirs, fused_on_cpu, kernel_calls):
-    ref = _load(model_dirs[family])
+    ref = load_hf_fp32(model_dirs[family])
     g = torch.Generator().manual_seed(23)
     prompts = [torch.randint(10, ref.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 30, 9)]
     max_tokens = 8
@@ -152,7 +147,7 @@ def test_engine_greedy_with_fused_layers_matches_hf(family, model_dirs, fused_on
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_outside_a_bridge_forward_layers_run_hf_forward(family, model_dirs, fused_on_cpu, kernel_calls):
-    ref, model = _load(model_dirs[family]), _load(model_dirs[family])
+    ref, model = load_hf_fp32(model_dirs[family]), load_hf_fp32(model_dirs[family])
     fused_linear.fuse_linears(model)
     assert fused_layers.fuse_decoder_layers(model) == NUM_LAYERS
     ids = torch.randint(5, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -162,7 +157,7 @@ def test_outside_a_bridge_forward_layers_run_hf_forward(family, model_dirs, fuse
 
 
 def test_layouts_the_fused_forward_does_not_cover_are_left_alone(model_dirs):
-    model = _load(model_dirs["qwen3"])
+    model = load_hf_fp32(model_dirs["qwen3"])
     assert fused_layers.fuse_decoder_layers(model) == 0  # projections not merged yet
     fused_linear.fuse_linears(model)
     model.model.layers[0].self_attn.sliding_window = 8
@@ -172,16 +167,10 @@ def test_layouts_the_fused_forward_does_not_cover_are_left_alone(model_dirs):
 
 @pytest.mark.parametrize("disabled", [False, True])
 def test_model_runner_installs_fused_layers(model_dirs, monkeypatch, disabled):
-    from transformers import AutoConfig
-
-    from runner.model_runner import ModelRunner
-
     if disabled:
         monkeypatch.setenv("BRIDGE_FUSED_LAYERS", "0")
     path = model_dirs["qwen3"]
-    runner = ModelRunner(str(path), AutoConfig.from_pretrained(path), dtype=torch.float32,
-                         device=torch.device("cpu"), max_num_seqs=4, max_num_batched_tokens=64,
-                         max_model_len=128, block_size=16, enable_prompt_embeds=False, fused_ops=True)
+    runner = cpu_runner_with_fused_ops(path)
     assert runner.num_fused_layers == (0 if disabled else NUM_LAYERS)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import cpu_runner_with_fused_ops, load_hf_fp32
 
 from runner import fused_linear, fused_ops
 from runner.llm import LLM
@@ -27,12 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fused_linear_models")
     return {f: build_tiny_model(root / f, f, seed=5, num_layers=NUM_LAYERS) for f in FAMILIES}
-
-
-def _load(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture
@@ -84,7 +79,7 @@ def test_rms_norm_reads_strided_views_in_place():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_modules_match_hf_modules(family, model_dirs, triton_on_cpu):
-    ref, model = _load(model_dirs[family]), _load(model_dirs[family])
+    ref, model = load_hf_fp32(model_dirs[family]), load_hf_fp32(model_dirs[family])
     state_before = {k: v.clone() for k, v in model.state_dict().items()}
     assert fused_linear.fuse_linears(model) == (NUM_LAYERS, NUM_LAYERS)
     assert fused_linear.fuse_linears(model) == (0, 0)  # idempotent
@@ -121,7 +116,7 @@ def test_fused_modules_match_hf_modules(family, model_dirs, triton_on_cpu):
 
 
 def test_unfusable_layouts_are_left_alone(model_dirs):
-    model = _load(model_dirs["llama"])
+    model = load_hf_fp32(model_dirs["llama"])
     model.model.layers[0].mlp.act_fn = torch.nn.GELU()  # not SiLU
     model.model.layers[1].self_attn.k_proj.bias = torch.nn.Parameter(torch.zeros(32))  # bias on k only
     assert fused_linear.fuse_linears(model) == (NUM_LAYERS - 1, NUM_LAYERS - 1)
@@ -131,23 +126,17 @@ def test_unfusable_layouts_are_left_alone(model_dirs):
 
 @pytest.mark.parametrize("disabled", [False, True])
 def test_model_runner_installs_fused_linears_with_the_fused_ops(model_dirs, monkeypatch, disabled):
-    from transformers import AutoConfig
-
-    from runner.model_runner import ModelRunner
-
     if disabled:
         monkeypatch.setenv("BRIDGE_FUSED_LINEAR", "0")
     path = model_dirs["qwen3"]
-    runner = ModelRunner(str(path), AutoConfig.from_pretrained(path), dtype=torch.float32,
-                         device=torch.device("cpu"), max_num_seqs=4, max_num_batched_tokens=64,
-                         max_model_len=128, block_size=16, enable_prompt_embeds=False, fused_ops=True)
+    runner = cpu_runner_with_fused_ops(path)
     assert runner.num_fused_norms == NUM_LAYERS * 4 + 1
     assert runner.num_fused_linears == ((0, 0) if disabled else (NUM_LAYERS, NUM_LAYERS))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_greedy_with_all_fused_ops_matches_hf(family, model_dirs, triton_on_cpu):
-    ref = _load(model_dirs[family])
+    ref = load_hf_fp32(model_dirs[family])
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(10, ref.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 30)]
     max_tokens = 8
