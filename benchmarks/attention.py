@@ -37,9 +37,9 @@ if "--smoke" in sys.argv:  # must precede the first triton import
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from runner.attention_metadata import AttentionMetadata  # noqa: E402
-from runner.paged_attention import paged_attention, write_kv  # noqa: E402
-from runner.paged_attention_triton import (  # noqa: E402
+from runner.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from runner.layers.paged_attention import paged_attention, write_kv  # noqa: E402
+from runner.layers.paged_attention_triton import (  # noqa: E402
     DecodeConfig,
     PrefillConfig,
     choose_num_splits,

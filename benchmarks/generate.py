@@ -46,7 +46,7 @@ if str(REPO) not in sys.path:
 
 from runner.llm import LLM  # noqa: E402
 from runner.sampling_params import SamplingParams  # noqa: E402
-from runner.tiny_models import build_tiny_model  # noqa: E402
+from bridge.tiny_models import build_tiny_model  # noqa: E402
 
 QWEN3_06B = dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                  intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
@@ -222,7 +222,7 @@ def main() -> int:
                     help="greedy decode steps per host sync (default: the engine's, 32 with CUDA graphs)")
     ap.add_argument("--no-fused-ops", action="store_true", help="keep HF's own RMSNorm and rotary (A/B)")
     ap.add_argument("--no-fused-layers", action="store_true",
-                    help="keep HF's decoder-layer forward (runner.fused_layers off; A/B)")
+                    help="keep HF's decoder-layer forward (runner.layers.fused_layers off; A/B)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (A/B)")
     ap.add_argument("--async-scheduling", choices=("default", "on", "off"), default="default",
                     help="overlap step n+1's host work with step n's device work (A/B; default: engine's)")

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from runner.attention_metadata import AttentionMetadata  # noqa: E402
-from runner.paged_attention import paged_attention_torch  # noqa: E402
-from runner.paged_attention_triton import DecodeConfig, paged_attention_triton  # noqa: E402
+from runner.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from runner.layers.paged_attention import paged_attention_torch  # noqa: E402
+from runner.layers.paged_attention_triton import DecodeConfig, paged_attention_triton  # noqa: E402
 
 DEVICE = "cuda"
 KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 8, 16, 128, 16

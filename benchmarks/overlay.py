@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runner.overlay_kernel import OverlayConfig, default_config  # noqa: E402
-from runner.prompt_embeds import PromptEmbedsState  # noqa: E402
+from runner.layers.overlay_kernel import OverlayConfig, default_config  # noqa: E402
+from runner.worker.prompt_embeds import PromptEmbedsState  # noqa: E402
 
 HIDDEN = 4096
 DTYPE = torch.bfloat16

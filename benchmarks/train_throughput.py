@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
     from bridge.recipe import validate
-    from runner.tiny_models import build_tiny_model
+    from bridge.tiny_models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

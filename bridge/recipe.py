@@ -8,7 +8,7 @@ named; a value of the wrong type or outside its choices says what was expected.
 The schema is plain data (`SCHEMA`): nested dicts of `Field`s. Two sections are free-form on
 purpose because another layer owns their validation: `encoder` (handed as-is to
 `encoders.api.build_encoder`) and `model.tiny` (keyword arguments of
-`runner.tiny_models.build_tiny_model`). `describe_schema()` renders every key with its default
+`bridge.tiny_models.build_tiny_model`). `describe_schema()` renders every key with its default
 and doc (`bridge defaults` prints it), so the defaults are documented in one place.
 """
 
@@ -69,7 +69,7 @@ SCHEMA: dict[str, Any] = {
         ),
         "tiny": Field(
             None,
-            "Instead of `path`: keyword arguments of runner.tiny_models.build_tiny_model; "
+            "Instead of `path`: keyword arguments of bridge.tiny_models.build_tiny_model; "
             "the tiny LLM is built into OUTPUT/base_model. vocab_words defaults to the words "
             "of the dataset's targets.",
             (dict, type(None)),

@@ -4,7 +4,7 @@ a small encoder protocol. Knows nothing of `encoders/` or `bridge/`.
 The public surface is vLLM-shaped: `LLM`, `SamplingParams`, `RequestOutput`.
 """
 
-from runner.encoder_cache import (
+from runner.multimodal.encoder_cache import (
     EncoderCache,
     GatheredEmbeds,
     MultiModalFeature,
@@ -13,23 +13,23 @@ from runner.encoder_cache import (
     make_feature,
     sort_features,
 )
-from runner.encoder_protocol import (
+from runner.multimodal.encoder_protocol import (
     PROMPT_EMBEDS_MODALITY,
     EncoderProtocol,
     check_encoders,
     tensor_content_hash,
 )
-from runner.inputs_embeds import InputsEmbedsBuilder, assemble_inputs_embeds
+from runner.worker.inputs_embeds import InputsEmbedsBuilder, assemble_inputs_embeds
 from runner.llm import LLM
-from runner.model_states import (
+from runner.worker.model_states import (
     ModelState,
     check_model_dir,
     load_hf_config,
     resolve_model_state_cls,
 )
 from runner.outputs import CompletionOutput, RequestOutput
-from runner.prompt_embeds import PromptEmbedsState
-from runner.sampler import Sampler, SamplerOutput, SamplingBatch
+from runner.worker.prompt_embeds import PromptEmbedsState
+from runner.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from runner.sampling_params import SamplingParams
 
 __all__ = [

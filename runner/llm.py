@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from runner.async_loop import AsyncLoop
-from runner.block_manager import BlockManager
-from runner.kv_cache import determine_num_blocks
+from runner.engine.async_loop import AsyncLoop
+from runner.engine.block_manager import BlockManager
+from runner.worker.kv_cache import determine_num_blocks
 from runner.llm_mm import MultimodalLLMMixin
-from runner.mm_prompt import ExpandedPrompt
-from runner.model_runner import DEFAULT_DECODE_WINDOW, MAX_DECODE_WINDOW, ModelRunner
-from runner.model_states import load_hf_config, resolve_model_state_cls
+from runner.multimodal.placeholders import ExpandedPrompt
+from runner.worker.model_runner import DEFAULT_DECODE_WINDOW, MAX_DECODE_WINDOW, ModelRunner
+from runner.worker.model_states import load_hf_config, resolve_model_state_cls
 from runner.outputs import RequestOutput
-from runner.prefix_cache import PrefixCachingBlockManager
-from runner.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, Request
+from runner.engine.prefix_cache import PrefixCachingBlockManager
+from runner.engine.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, Request
 from runner.sampling_params import SamplingParams
-from runner.scheduler import Scheduler
+from runner.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class LLM(MultimodalLLMMixin):
     with CUDA graphs, 1 otherwise; nothing waiting is admitted inside a window, so a smaller
     window trades throughput for admission latency). `async_scheduling` (default on, except with
     multimodal input) plans and launches step n+1 while step n runs on the device
-    (`runner.async_loop`); the outputs are the synchronous loop's. Counters for tests and monitoring:
+    (`runner.engine.async_loop`); the outputs are the synchronous loop's. Counters for tests and monitoring:
     `num_free_blocks`, `num_total_blocks`, `num_free_slots`, `num_total_slots`, `num_steps`,
     `num_preemptions`, `num_async_steps` (steps launched while the previous one was in flight).
     """

@@ -4,9 +4,9 @@ Kept apart from `runner/llm.py` (the engine loop) because it is a different idea
 with media become requests, and how input reaches a request that is already running.
 
 - `LLM(..., encoders={"image": enc})` or `llm.register_encoder(enc)`: any object meeting
-  `runner.encoder_protocol.EncoderProtocol`.
+  `runner.multimodal.encoder_protocol.EncoderProtocol`.
 - `llm.generate({"prompt": "a <image> b <embeds>", "multi_modal_data": {"image": [img],
-  "prompt_embeds": [tensor]}})`: placeholders expand to each item's rows (`runner.mm_prompt`).
+  "prompt_embeds": [tensor]}})`: placeholders expand to each item's rows (`runner.multimodal.placeholders`).
 - Streaming (vLLM `LLMEngine`-style): `rid = llm.add_request(prompt, params)`, then
   `llm.step()` until `llm.has_unfinished_requests()` is False; `llm.append_input(rid, chunk)`
   at any point streams a chunk of a realtime encoder into the live request: its rows are fed at
@@ -19,15 +19,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from runner.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
-from runner.mm_prompt import ExpandedPrompt, expand_mm_prompt, placeholder_token
-from runner.mm_state import MultimodalState
+from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
+from runner.multimodal.placeholders import ExpandedPrompt, expand_mm_prompt, placeholder_token
+from runner.multimodal.state import MultimodalState
 from runner.outputs import RequestOutput
-from runner.request import Request
+from runner.engine.request import Request
 from runner.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from runner.encoder_cache import EncoderCache
+    from runner.multimodal.encoder_cache import EncoderCache
 
 _MM_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runner.encoder_protocol import tensor_content_hash
+from runner.multimodal.encoder_protocol import tensor_content_hash
 
 
 class IdentityEncoder:
@@ -61,7 +61,7 @@ def cpu_runner_with_fused_ops(path):
     import torch
     from transformers import AutoConfig
 
-    from runner.model_runner import ModelRunner
+    from runner.worker.model_runner import ModelRunner
 
     return ModelRunner(str(path), AutoConfig.from_pretrained(path), dtype=torch.float32,
                        device=torch.device("cpu"), max_num_seqs=4, max_num_batched_tokens=64,

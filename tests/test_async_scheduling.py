@@ -13,7 +13,7 @@ from helpers import IdentityEncoder
 
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from runner.tiny_models import build_tiny_model
+from bridge.tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

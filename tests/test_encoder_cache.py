@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from runner.encoder_cache import (
+from runner.multimodal.encoder_cache import (
     EncoderCache,
     MultiModalFeature,
     PlaceholderRange,
@@ -15,7 +15,7 @@ from runner.encoder_cache import (
     make_feature,
     sort_features,
 )
-from runner.encoder_protocol import (
+from runner.multimodal.encoder_protocol import (
     PROMPT_EMBEDS_MODALITY,
     EncoderProtocol,
     check_encoders,

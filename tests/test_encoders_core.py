@@ -139,7 +139,7 @@ def test_encode_rows_match_num_rows(encoders_by_modality, modality):
 
 
 def test_encoder_meets_runner_protocol(encoders_by_modality):
-    protocol = pytest.importorskip("runner.encoder_protocol")
+    protocol = pytest.importorskip("runner.multimodal.encoder_protocol")
     for enc in encoders_by_modality.values():
         assert isinstance(enc, protocol.EncoderProtocol)
     checked = protocol.check_encoders(dict(encoders_by_modality))

@@ -12,7 +12,7 @@ import torch
 from runner.llm import LLM
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
-from runner.tiny_models import build_tiny_model, write_config_only_model
+from bridge.tiny_models import build_tiny_model, write_config_only_model
 
 MAX_MODEL_LEN = 128
 
@@ -249,7 +249,7 @@ def test_prompt_logprobs_for_token_prompts_across_chunks(llm, hf_model):
 
 
 def test_abort_frees_blocks_and_slots(llm):
-    from runner.request import Request
+    from runner.engine.request import Request
 
     for i in range(3):
         llm.scheduler.add_request(Request(f"abort-{i}", i, _ids(40, i), SamplingParams(max_tokens=4)))

@@ -14,7 +14,7 @@ import torch
 
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from runner.tiny_models import build_tiny_model
+from bridge.tiny_models import build_tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 PROMPT_LENGTHS = (1, 3, 7, 12, 20, 33, 48, 70)
@@ -160,7 +160,7 @@ def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_refe
     emulated by eager replays of the same body), decode windows, the fused RMSNorm, and then the
     Triton attention and rotary kernels under TRITON_INTERPRET, with chunked prefill over a paged
     prefix and prompt embeddings."""
-    from runner.hf_attention import set_attention_backend
+    from runner.layers.hf_attention import set_attention_backend
 
     model, prompts, expected = hf_reference["qwen3"]
     llm = LLM(model_dirs["qwen3"], enable_prompt_embeds=True, dtype="float32", device="cpu",
@@ -194,7 +194,7 @@ def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_refe
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rmsnorm_matches_hf_modules(family, dtype, model_dirs, hf_reference):
-    from runner.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
+    from runner.layers.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
 
     model = hf_reference[family][0]
     norms = [m for m in model.modules() if type(m).__name__ in FUSABLE_RMSNORM_CLASSES]
@@ -253,7 +253,7 @@ def test_fused_rotary_matches_hf(family, hf_reference):
     import sys
 
     from runner import fused_ops
-    from runner.attention_metadata import ForwardContext, set_forward_context
+    from runner.layers.attention_metadata import ForwardContext, set_forward_context
 
     model = hf_reference[family][0]
     original = sys.modules[type(model).__module__].apply_rotary_pos_emb
@@ -287,9 +287,9 @@ def test_fused_rotary_matches_hf(family, hf_reference):
 
 def test_decode_window_stops_where_every_request_reaches_max_tokens():
     """Window steps after every running request has reached its max_tokens would only be dropped."""
-    from runner.block_manager import BlockManager
-    from runner.request import Request
-    from runner.scheduler import Scheduler
+    from runner.engine.block_manager import BlockManager
+    from runner.engine.request import Request
+    from runner.engine.scheduler import Scheduler
 
     scheduler = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
     for i, (max_tokens, done) in enumerate([(5, 1), (10, 4)]):

@@ -1,4 +1,4 @@
-"""The fused decoder-layer forward (runner.fused_layers) computes what Hugging Face's layers compute.
+"""The fused decoder-layer forward (runner.layers.fused_layers) computes what Hugging Face's layers compute.
 
 The new kernel (q/k norm + rotary + KV-cache write) against a torch reference under
 TRITON_INTERPRET; the engine's greedy tokens with fused layers (chunked prefill, emulated decode
@@ -15,7 +15,7 @@ from helpers import cpu_runner_with_fused_ops, load_hf_fp32
 from runner import fused_layers, fused_linear
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from runner.tiny_models import build_tiny_model
+from bridge.tiny_models import build_tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 NUM_LAYERS = 2

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from runner.inputs_embeds import InputsEmbedsBuilder, assemble_inputs_embeds
+from runner.worker.inputs_embeds import InputsEmbedsBuilder, assemble_inputs_embeds
 
 VOCAB, HIDDEN = 32, 24
 
@@ -44,7 +44,7 @@ def _overlays():
     """The plain reference, plus the real overlay (torch and Triton paths) once it is importable."""
     impls = [("reference", None)]
     try:
-        from runner.prompt_embeds import PromptEmbedsState
+        from runner.worker.prompt_embeds import PromptEmbedsState
     except ImportError:
         return impls
     impls.append(("overlay-torch", functools.partial(PromptEmbedsState, use_triton=False)))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.encoder_protocol import tensor_content_hash
+from runner.multimodal.encoder_protocol import tensor_content_hash
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from runner.tiny_models import build_tiny_model
+from bridge.tiny_models import build_tiny_model
 
 HIDDEN = 64
 MERGE = 2  # the tiny Qwen2-VL vision config's spatial_merge_size

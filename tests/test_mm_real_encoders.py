@@ -16,7 +16,7 @@ from encoders.api import build_encoder
 from encoders.tiny import tiny_encoder_config
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from runner.tiny_models import build_tiny_model
+from bridge.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:async scheduling turned off")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from runner.model_states import (
+from runner.worker.model_states import (
     DefaultModelState,
     EncoderDecoderModelState,
     EncoderOnlyModelState,
@@ -26,7 +26,7 @@ from runner.model_states import (
     resolve_model_state_cls,
 )
 
-tiny_models = pytest.importorskip("runner.tiny_models")
+tiny_models = pytest.importorskip("bridge.tiny_models")
 
 
 # -- resolution ---------------------------------------------------------------------------------------------

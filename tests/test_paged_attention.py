@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from runner.attention_metadata import AttentionMetadata
-from runner.paged_attention import paged_attention, paged_attention_torch, write_kv
-from runner.paged_attention_triton import DecodeConfig, PrefillConfig, paged_attention_triton
+from runner.layers.attention_metadata import AttentionMetadata
+from runner.layers.paged_attention import paged_attention, paged_attention_torch, write_kv
+from runner.layers.paged_attention_triton import DecodeConfig, PrefillConfig, paged_attention_triton
 
 # Small tiles so the interpreter stays fast and tiles span several pages / pages span several tiles.
 SMALL_DECODE = DecodeConfig(tile_n=16, num_warps=4, num_stages=1, num_splits=1)
@@ -421,7 +421,7 @@ _COMPILE_FOR_SM90 = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import runner.paged_attention_triton as pat
+import runner.layers.paged_attention_triton as pat
 
 COMMON = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kb",
           "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_ot", "stride_oh"]

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from runner.prompt_embeds import PromptEmbedsState
+from runner.worker.prompt_embeds import PromptEmbedsState
 
 PATHS = ["torch", "triton"]
 
@@ -292,7 +292,7 @@ def run_random_trials(path: str, device: str, trials: int, seed: int, hiddens, d
 
 @pytest.mark.parametrize("path", PATHS)
 def test_randomized_against_reference(path):
-    from runner.overlay_kernel import OverlayConfig
+    from runner.layers.overlay_kernel import OverlayConfig
 
     # Small tiles so that 40 and 100 are not multiples of BLOCK_H and blocks span several rows.
     config = OverlayConfig(block_t=4, block_h=32, num_warps=1) if path == "triton" else None

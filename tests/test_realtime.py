@@ -13,7 +13,7 @@ from helpers import IdentityEncoder
 
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from runner.tiny_models import build_tiny_model
+from bridge.tiny_models import build_tiny_model
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:async scheduling turned off"),

@@ -223,7 +223,7 @@ def test_real_recipe_loads_local_weights_and_trains_a_step(name, family, standin
     import json
 
     from bridge.training.trainer import Trainer
-    from runner.tiny_models import build_tiny_model
+    from bridge.tiny_models import build_tiny_model
 
     path = ROOT / "recipes" / "real" / f"{name}.yaml"
     with pytest.raises(RecipeError, match="not found"):  # as shipped, the EDIT paths are named when absent

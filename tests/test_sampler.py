@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from runner.sampler import Sampler, SamplingBatch, apply_penalties
+from runner.layers.sampler import Sampler, SamplingBatch, apply_penalties
 from runner.sampling_params import SamplingParams
 
 VOCAB = 50

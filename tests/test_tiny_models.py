@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runner.tiny_models import (
+from bridge.tiny_models import (
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,

@@ -30,7 +30,7 @@ def prepare_llm_dir(recipe, output_dir: str | Path, vocab_words: list[str], buil
         return Path(recipe.model.path)
     target = Path(output_dir) / "base_model"
     if build and not (target / "config.json").is_file():
-        from runner.tiny_models import build_tiny_model
+        from bridge.tiny_models import build_tiny_model
 
         kwargs = copy.deepcopy(dict(recipe.model.tiny))
         kwargs.setdefault("vocab_words", vocab_words)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.attention_metadata import current_forward_context
+from runner.layers.attention_metadata import current_forward_context
 
 # Norm classes whose forward is exactly: x32 = x.float(); x32 * rsqrt(mean(x32^2) + eps);
 # cast back to x.dtype; multiply by `weight`. (Gemma-style `1 + weight` norms are not listed.)

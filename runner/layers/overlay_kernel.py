@@ -2,7 +2,7 @@
 
 One launch serves the whole batch. Each live request's embeddings sit in their own device
 tensor; the kernel finds them through three small per-slot tables owned by
-`runner.prompt_embeds.PromptEmbedsState`:
+`runner.worker.prompt_embeds.PromptEmbedsState`:
 
 - `rows_addr[slot]` (int64): address of the slot's rows tensor (0 when none). It is always 16-byte
   aligned, which the kernel states with `tl.multiple_of` so that row loads become 128-bit accesses

@@ -16,7 +16,7 @@ import hashlib
 from collections import deque
 from collections.abc import Sequence
 
-from runner.request import Request
+from runner.engine.request import Request
 
 
 def block_hash(parent_hash: bytes | None, token_ids: Sequence[int], embeds_hash: bytes | None) -> bytes:
@@ -85,6 +85,6 @@ class BlockManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Prefix-cache hook: (reusable block ids, tokens they cover) for a newly admitted request.
 
-        None without prefix caching (`runner.prefix_cache.PrefixCachingBlockManager` finds them).
+        None without prefix caching (`runner.engine.prefix_cache.PrefixCachingBlockManager` finds them).
         """
         return [], 0

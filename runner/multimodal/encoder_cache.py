@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from runner.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol, tensor_content_hash
+from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol, tensor_content_hash
 
 
 @dataclass(frozen=True, eq=False)

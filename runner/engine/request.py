@@ -100,7 +100,7 @@ class Request:
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    # Multimodal state (runner.mm_prompt / runner.mm_state): media and passthrough items sorted by
+    # Multimodal state (runner.multimodal.placeholders / runner.multimodal.state): media and passthrough items sorted by
     # offset (realtime chunks are appended while the request runs); M-RoPE prompt positions (3, n)
     # and decode delta on M-RoPE models; chained prefix-cache hashes of its full blocks.
     mm_features: list = field(default_factory=list)
@@ -108,7 +108,7 @@ class Request:
     mrope_delta: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     _real_prompt_ids: list[int] | None = field(default=None, repr=False)
-    # Async scheduling (runner.async_loop): tokens sampled on the device whose values the host has
+    # Async scheduling (runner.engine.async_loop): tokens sampled on the device whose values the host has
     # not read yet. The scheduler plans the next step as if they were known (they count in
     # `num_tokens`); their ids are fed to that step on the device.
     num_pending_outputs: int = 0

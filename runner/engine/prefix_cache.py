@@ -1,7 +1,7 @@
 """Prefix caching: reuse the KV blocks of a prompt prefix already computed, keyed by content.
 
 A full block's key chains its parent's key with the block's token ids and a hash of the
-embedding rows it covers (`runner.block_manager.block_hash`). Token ids alone are not enough:
+embedding rows it covers (`runner.engine.block_manager.block_hash`). Token ids alone are not enough:
 every embeds prompt holds the same placeholder id under different rows, and two requests with
 different media behind the same `<image>` ids must never share KV. The embedding part is:
 
@@ -25,9 +25,9 @@ from collections import OrderedDict
 
 import torch
 
-from runner.block_manager import BlockManager, block_hash
-from runner.encoder_protocol import tensor_content_hash
-from runner.request import Request
+from runner.engine.block_manager import BlockManager, block_hash
+from runner.multimodal.encoder_protocol import tensor_content_hash
+from runner.engine.request import Request
 
 
 def block_embeds_hash(request: Request, start: int, end: int) -> bytes | None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from runner.encoder_cache import (
+from runner.multimodal.encoder_cache import (
     EncoderCache,
     GatheredEmbeds,
     MultiModalFeature,
@@ -31,9 +31,9 @@ from runner.encoder_cache import (
     make_feature,
     sort_features,
 )
-from runner.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol, check_encoders
-from runner.model_states import compute_mrope_positions, mrope_positions_window
-from runner.request import Request
+from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol, check_encoders
+from runner.worker.model_states import compute_mrope_positions, mrope_positions_window
+from runner.engine.request import Request
 
 
 class MultimodalState:

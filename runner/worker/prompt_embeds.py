@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from runner.overlay_kernel import OverlayConfig
+    from runner.layers.overlay_kernel import OverlayConfig
 
 __all__ = ["PromptEmbedsState"]
 
@@ -45,7 +45,7 @@ class PromptEmbedsState:
         use_triton: run the Triton kernel (default: when `device` is CUDA). `False` selects the
             plain torch path, which reads the index tensors on the host (a sync on a GPU).
             `True` on a CPU device needs `TRITON_INTERPRET=1` set before triton is imported.
-        kernel_config: optional `runner.overlay_kernel.OverlayConfig` (tile shape) override.
+        kernel_config: optional `runner.layers.overlay_kernel.OverlayConfig` (tile shape) override.
     """
 
     def __init__(
@@ -77,7 +77,7 @@ class PromptEmbedsState:
         if self.use_triton:
             # Imported lazily so TRITON_INTERPRET (read when kernels are decorated) can be set
             # by the caller first, and so the torch path never needs triton.
-            from runner.overlay_kernel import launch_overlay
+            from runner.layers.overlay_kernel import launch_overlay
 
             self._launch = launch_overlay
 

@@ -16,10 +16,10 @@ nine launches, one of them (`qkv_norm_rope_write`) new.
 How: the layer's modules, weights, loading and `state_dict` stay Hugging Face's; only the bound
 `forward` of each fusable layer instance is replaced, and the replacement takes the fused path
 only inside a Bridge forward pass (a `ForwardContext` is set) and calls the original forward
-everywhere else. It needs `runner.fused_linear` to have merged q/k/v and gate/up first.
+everywhere else. It needs `runner.layers.fused_linear` to have merged q/k/v and gate/up first.
 
 Numerics: the norms round like Hugging Face's (fp32 statistics, round to the input dtype, times
-the weight); rotary runs in fp32 and rounds once (as `runner.fused_ops`); the residual adds are
+the weight); rotary runs in fp32 and rounds once (as `runner.layers.fused_ops`); the residual adds are
 accumulated in the GEMM, so they round once instead of twice. In fp32 that is HF's arithmetic up
 to summation order.
 """
@@ -33,11 +33,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from runner.attention_metadata import current_forward_context
-from runner.fused_linear import silu_mul
-from runner.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
-from runner.hf_attention import get_attention_backend
-from runner.paged_attention import paged_attention
+from runner.layers.attention_metadata import current_forward_context
+from runner.layers.fused_linear import silu_mul
+from runner.layers.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
+from runner.layers.hf_attention import get_attention_backend
+from runner.layers.paged_attention import paged_attention
 
 FUSABLE_LAYER_CLASSES = frozenset(
     {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
@@ -169,7 +169,7 @@ def _layer_fusable(layer: torch.nn.Module) -> bool:
     if attn is None or mlp is None:
         return False
     if not hasattr(attn, "bridge_qkv_weight") or not hasattr(mlp, "bridge_gate_up_weight"):
-        return False  # runner.fused_linear did not merge this layer's projections
+        return False  # runner.layers.fused_linear did not merge this layer's projections
     norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
     qk_norms = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
     if not all(_is_plain_norm(n) for n in norms):
@@ -244,7 +244,7 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
     """Give every fusable decoder layer of `model` the fused forward; returns how many.
 
-    Run after `runner.fused_linear.fuse_linears` (the fused forward uses its merged weights); layers
+    Run after `runner.layers.fused_linear.fuse_linears` (the fused forward uses its merged weights); layers
     it could not merge, and layer classes not listed, keep Hugging Face's forward.
     """
     count = 0

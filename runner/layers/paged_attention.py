@@ -6,7 +6,7 @@ KV cache layout, per decoder layer: `key_cache` and `value_cache` are each
 
 Two backends compute the same thing:
 
-- "triton" (default for CUDA tensors): the kernels of `runner.paged_attention_triton`. The decode path is
+- "triton" (default for CUDA tensors): the kernels of `runner.layers.paged_attention_triton`. The decode path is
   CUDA-graph capturable. It also runs on CPU tensors under `TRITON_INTERPRET=1`, which is how the tests
   check it against the torch path.
 - "torch" (default for CPU tensors): per request, gather the K/V of its blocks, then a plain fp32
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from runner.attention_metadata import AttentionMetadata
+from runner.layers.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from runner.paged_attention_triton import DecodeConfig, PrefillConfig
+    from runner.layers.paged_attention_triton import DecodeConfig, PrefillConfig
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -75,7 +75,7 @@ def write_kv(
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be ({key.shape[0]},), got {tuple(slot_mapping.shape)}")
     if _resolve_backend(backend, key.device) == "triton":
-        from runner.paged_attention_triton import write_kv_triton
+        from runner.layers.paged_attention_triton import write_kv_triton
 
         write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
         return
@@ -124,7 +124,7 @@ def paged_attention(
     elif out.shape != query.shape:
         raise ValueError(f"out must be {tuple(query.shape)}, got {tuple(out.shape)}")
     if _resolve_backend(backend, query.device) == "triton":
-        from runner.paged_attention_triton import paged_attention_triton
+        from runner.layers.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(
             query, key_cache, value_cache, meta, scale, out,

@@ -1,7 +1,7 @@
 """Runs one scheduled step on the model: inputs, forward over the paged KV cache, logits, sampling.
 
 The model is an unmodified Hugging Face causal LM loaded with `attn_implementation="bridge_paged"`
-(see `runner.hf_attention`). A step's batch is packed as one sequence `(1, T)`: `position_ids`
+(see `runner.layers.hf_attention`). A step's batch is packed as one sequence `(1, T)`: `position_ids`
 restart per request and the attention metadata says which rows belong together.
 
 Host work per step is a few vectorised numpy operations over host-side tables (token ids and block
@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runner.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
-from runner.hf_attention import ATTN_IMPLEMENTATION, register_bridge_attention
-from runner.inputs_embeds import InputsEmbedsBuilder
-from runner.kv_cache import KVCacheSpec, allocate_kv_caches
-from runner.request import Request
-from runner.sampler import Sampler, SamplingBatch
+from runner.layers.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
+from runner.layers.hf_attention import ATTN_IMPLEMENTATION, register_bridge_attention
+from runner.worker.inputs_embeds import InputsEmbedsBuilder
+from runner.worker.kv_cache import KVCacheSpec, allocate_kv_caches
+from runner.engine.request import Request
+from runner.layers.sampler import Sampler, SamplingBatch
 from runner.sampling_params import SamplingParams
-from runner.scheduler import SchedulerOutput, StepResult
+from runner.engine.scheduler import SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -225,25 +225,25 @@ class ModelRunner:
             model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
         )
         self.model = model.to(device).eval().requires_grad_(False)
-        # One-kernel RMSNorm and rotary (runner.fused_ops): on the GPU by default; BRIDGE_FUSED_OPS=0
+        # One-kernel RMSNorm and rotary (runner.layers.fused_ops): on the GPU by default; BRIDGE_FUSED_OPS=0
         # turns them off (A/B runs).
         if fused_ops is None:
             fused_ops = device.type == "cuda" and os.environ.get("BRIDGE_FUSED_OPS", "1") != "0"
         self.num_fused_norms, self.fused_rotary, self.num_fused_linears = 0, False, (0, 0)
         self.num_fused_layers = 0
         if fused_ops:
-            from runner.fused_ops import fuse_rmsnorms, fuse_rotary
+            from runner.layers.fused_ops import fuse_rmsnorms, fuse_rotary
 
             self.num_fused_norms = fuse_rmsnorms(self.model)
             self.fused_rotary = fuse_rotary(self.model)
-            # One q/k/v GEMM and one gate/up GEMM + SiLU*mul (runner.fused_linear); BRIDGE_FUSED_LINEAR=0 A/B.
+            # One q/k/v GEMM and one gate/up GEMM + SiLU*mul (runner.layers.fused_linear); BRIDGE_FUSED_LINEAR=0 A/B.
             if os.environ.get("BRIDGE_FUSED_LINEAR", "1") != "0":
-                from runner.fused_linear import fuse_linears
+                from runner.layers.fused_linear import fuse_linears
 
                 self.num_fused_linears = fuse_linears(self.model)
-                # The whole decoder layer on fused kernels (runner.fused_layers); BRIDGE_FUSED_LAYERS=0 A/B.
+                # The whole decoder layer on fused kernels (runner.layers.fused_layers); BRIDGE_FUSED_LAYERS=0 A/B.
                 if os.environ.get("BRIDGE_FUSED_LAYERS", "1") != "0":
-                    from runner.fused_layers import fuse_decoder_layers
+                    from runner.layers.fused_layers import fuse_decoder_layers
 
                     self.num_fused_layers = fuse_decoder_layers(self.model)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -259,10 +259,10 @@ class ModelRunner:
         self.embeds_builder = InputsEmbedsBuilder(max_num_batched_tokens, self.hidden_size, dtype, device)
         self.prompt_embeds_state = None
         if enable_prompt_embeds:
-            from runner.prompt_embeds import PromptEmbedsState
+            from runner.worker.prompt_embeds import PromptEmbedsState
 
             self.prompt_embeds_state = PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device)
-        # runner.mm_state.MultimodalState, set by the LLM: encoders, encoder cache, M-RoPE positions.
+        # runner.multimodal.state.MultimodalState, set by the LLM: encoders, encoder cache, M-RoPE positions.
         self.mm = None
         self.sampler = Sampler()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runner.model_runner import LaunchedStep
-from runner.request import Request
-from runner.scheduler import SchedulerOutput
+from runner.worker.model_runner import LaunchedStep
+from runner.engine.request import Request
+from runner.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from runner.llm import LLM

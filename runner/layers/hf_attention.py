@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from runner.attention_metadata import get_forward_context
-from runner.paged_attention import Backend, paged_attention, write_kv
+from runner.layers.attention_metadata import get_forward_context
+from runner.layers.paged_attention import Backend, paged_attention, write_kv
 
 ATTN_IMPLEMENTATION = "bridge_paged"
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from runner.encoder_cache import MultiModalFeature, PlaceholderRange, make_feature, sort_features
-from runner.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
-from runner.model_states import MRopeItem
+from runner.multimodal.encoder_cache import MultiModalFeature, PlaceholderRange, make_feature, sort_features
+from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
+from runner.worker.model_states import MRopeItem
 
 DEFAULT_PLACEHOLDERS = {"image": "<image>", "audio": "<audio>", "graph": "<graph>",
                         PROMPT_EMBEDS_MODALITY: "<embeds>"}

@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runner.block_manager import BlockManager
-from runner.request import Request, RequestStatus
+from runner.engine.block_manager import BlockManager
+from runner.engine.request import Request, RequestStatus
 
 
 @dataclass

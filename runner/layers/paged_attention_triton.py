@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.attention_metadata import AttentionMetadata
+from runner.layers.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 
