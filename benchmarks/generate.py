@@ -44,9 +44,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bridge.tiny_models import build_tiny_model  # noqa: E402
 from runner.llm import LLM  # noqa: E402
 from runner.sampling_params import SamplingParams  # noqa: E402
-from bridge.tiny_models import build_tiny_model  # noqa: E402
 
 QWEN3_06B = dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                  intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,

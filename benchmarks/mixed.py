@@ -39,8 +39,8 @@ for p in (str(REPO), str(REPO / "benchmarks")):
 
 import generate as gen  # noqa: E402  (benchmarks/generate.py: model builder, timing helpers)
 
-from runner.multimodal.encoder_protocol import tensor_content_hash  # noqa: E402
 from runner.llm import LLM  # noqa: E402
+from runner.multimodal.encoder_protocol import tensor_content_hash  # noqa: E402
 from runner.sampling_params import SamplingParams  # noqa: E402
 
 

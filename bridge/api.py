@@ -9,7 +9,7 @@
 embeddings tensor per prompt: the LLM's token embeddings at text positions and the encoder rows
 at placeholder positions, with `prompt_is_token_ids` (True at text positions) and
 `prompt_token_ids`. Those device tensors go straight to `runner.LLM.generate` as
-`prompt_embeds`: no serialization, no host round trip (DESIGN.md, "Data flow").
+`prompt_embeds`: no serialization, no host round trip (docs/ARCHITECTURE.md, "Data flow").
 """
 
 from __future__ import annotations

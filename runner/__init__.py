@@ -4,6 +4,10 @@ a small encoder protocol. Knows nothing of `encoders/` or `bridge/`.
 The public surface is vLLM-shaped: `LLM`, `SamplingParams`, `RequestOutput`.
 """
 
+from runner.config import EngineConfig
+from runner.engine.core import EngineCore
+from runner.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from runner.llm import LLM
 from runner.multimodal.encoder_cache import (
     EncoderCache,
     GatheredEmbeds,
@@ -19,18 +23,16 @@ from runner.multimodal.encoder_protocol import (
     check_encoders,
     tensor_content_hash,
 )
+from runner.outputs import CompletionOutput, RequestDelta, RequestOutput
+from runner.sampling_params import SamplingParams
 from runner.worker.inputs_embeds import InputsEmbedsBuilder, assemble_inputs_embeds
-from runner.llm import LLM
 from runner.worker.model_states import (
     ModelState,
     check_model_dir,
     load_hf_config,
     resolve_model_state_cls,
 )
-from runner.outputs import CompletionOutput, RequestOutput
 from runner.worker.prompt_embeds import PromptEmbedsState
-from runner.layers.sampler import Sampler, SamplerOutput, SamplingBatch
-from runner.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
@@ -38,12 +40,15 @@ __all__ = [
     "CompletionOutput",
     "EncoderCache",
     "EncoderProtocol",
+    "EngineConfig",
+    "EngineCore",
     "GatheredEmbeds",
     "InputsEmbedsBuilder",
     "ModelState",
     "MultiModalFeature",
     "PlaceholderRange",
     "PromptEmbedsState",
+    "RequestDelta",
     "RequestOutput",
     "RequestWindow",
     "Sampler",

@@ -38,3 +38,21 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestDelta:
+    """What one engine step added to a request (`EngineCore.step`): its new tokens, their text
+    when the request streams text, their logprobs when asked for, and how it ended once it did.
+
+    Text deltas hold back a possible stop string's prefix until it is known not to be one, so
+    streamed text always adds up to the final `CompletionOutput.text`.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    new_logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None

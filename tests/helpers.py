@@ -58,11 +58,12 @@ def load_hf_fp32(path):
 
 def cpu_runner_with_fused_ops(path):
     """A CPU ModelRunner over `path` with the fused ops requested (as on the GPU), for install checks."""
-    import torch
     from transformers import AutoConfig
 
+    from runner.config import EngineConfig
     from runner.worker.model_runner import ModelRunner
 
-    return ModelRunner(str(path), AutoConfig.from_pretrained(path), dtype=torch.float32,
-                       device=torch.device("cpu"), max_num_seqs=4, max_num_batched_tokens=64,
-                       max_model_len=128, block_size=16, enable_prompt_embeds=False, fused_ops=True)
+    hf_config = AutoConfig.from_pretrained(path)
+    config = EngineConfig(str(path), dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
+                          max_model_len=128, num_kv_blocks=16, fused_ops=True).resolve(hf_config)
+    return ModelRunner(config, hf_config)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import IdentityEncoder
 
+from bridge.tiny_models import build_tiny_model
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from bridge.tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

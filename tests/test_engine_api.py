@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bridge.tiny_models import build_tiny_model, write_config_only_model
 from runner.llm import LLM
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
-from bridge.tiny_models import build_tiny_model, write_config_only_model
 
 MAX_MODEL_LEN = 128
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bridge.tiny_models import build_tiny_model
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from bridge.tiny_models import build_tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 PROMPT_LENGTHS = (1, 3, 7, 12, 20, 33, 48, 70)
@@ -167,7 +167,7 @@ def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_refe
               num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=8)
     llm.runner.capture_cuda_graphs(emulate=True)
     llm.decode_window = 3
-    from runner import fused_ops
+    from runner.layers import fused_ops
 
     assert fused_ops.fuse_rmsnorms(llm.runner.model) == 2 * 4 + 1  # 4 norms per layer (qwen3) + final norm
     assert fused_ops.fuse_rotary(llm.runner.model)
@@ -252,7 +252,7 @@ def test_decode_windows_match_hf_and_single_steps(family, model_dirs, hf_referen
 def test_fused_rotary_matches_hf(family, hf_reference):
     import sys
 
-    from runner import fused_ops
+    from runner.layers import fused_ops
     from runner.layers.attention_metadata import ForwardContext, set_forward_context
 
     model = hf_reference[family][0]

@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import cpu_runner_with_fused_ops, load_hf_fp32
 
-from runner import fused_layers, fused_linear
+from bridge.tiny_models import build_tiny_model
+from runner.layers import fused_layers, fused_linear
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from bridge.tiny_models import build_tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 NUM_LAYERS = 2

@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up projections (runner.layers.fused_linear) compute what Hugging Face's modules compute.
+"""Fused q/k/v and gate/up projections (runner.layers.fused_linear) compute what HF's modules compute.
 
 Tiny fp32 llama / qwen2 (q/k/v bias) / qwen3 models: after fusing, each MLP and each attention's
 projections match an unfused copy, the whole model's logits match, parameters stay views of the
@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import cpu_runner_with_fused_ops, load_hf_fp32
 
-from runner import fused_linear, fused_ops
+from bridge.tiny_models import build_tiny_model
+from runner.layers import fused_linear, fused_ops
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from bridge.tiny_models import build_tiny_model
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 NUM_LAYERS = 2

@@ -28,7 +28,7 @@ class RangeCheckedEmbedding(nn.Embedding):
 
 
 def _overlay_reference(out, requests, idx_mapping, query_start_loc, num_computed_tokens):
-    """The PromptEmbedsState.apply contract of DESIGN.md, written plainly (local stand-in)."""
+    """The PromptEmbedsState.apply contract of docs/ARCHITECTURE.md, written plainly (local stand-in)."""
     for b, slot in enumerate(idx_mapping.tolist()):
         if slot not in requests:
             continue

@@ -1,4 +1,4 @@
-"""The import direction of DESIGN.md: bridge -> runner, bridge -> encoders, nothing back.
+"""The import rules of docs/ARCHITECTURE.md: bridge -> runner, bridge -> encoders, nothing back.
 
 Checked on the source (AST), so a lazy import inside a function is caught too.
 """

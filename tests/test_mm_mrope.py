@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.multimodal.encoder_protocol import tensor_content_hash
-from runner.llm import LLM
-from runner.sampling_params import SamplingParams
 from bridge.tiny_models import build_tiny_model
+from runner.llm import LLM
+from runner.multimodal.encoder_protocol import tensor_content_hash
+from runner.sampling_params import SamplingParams
 
 HIDDEN = 64
 MERGE = 2  # the tiny Qwen2-VL vision config's spatial_merge_size
@@ -152,3 +152,77 @@ def test_mrope_refuses_realtime_encoders(model_dir):
 
     with pytest.raises(ValueError, match="realtime"):
         LLM(model_dir, encoders={"audio": Stream()}, async_scheduling=False, device="cpu", num_kv_blocks=16)
+
+
+# A step in which every request runs exactly one token is not necessarily a decode step: a one-token
+# prefill chunk needs its 3-D prompt position. Three ways such steps arise; in each, every position the
+# engine feeds equals transformers' (`get_rope_index`, then index + delta), and so do the tokens.
+TAIL_TEXT = "red blue <|vision_start|><image>"
+
+
+def _mrope_llm(model_dir, **kw):
+    return LLM(model_dir, encoders={"image": GridImageEncoder()}, async_scheduling=False, device="cpu",
+               num_kv_blocks=64, **kw)
+
+
+def _generate_recording_positions(llm, prompts):
+    """Generate, and return each request's fed positions as one (3, n) tensor (1-D rows expanded)."""
+    steps: list[tuple[list[str], list[int]]] = []
+    seen: list[torch.Tensor] = []
+    launch, forward = llm.runner.launch, llm.runner._forward
+
+    def spy_launch(so, prev=None):
+        steps.append(([r.request_id for r in so.requests], list(so.num_scheduled_tokens)))
+        return launch(so, prev)
+
+    def spy_forward(embeds, positions, *args, **kwargs):
+        seen.append(positions.detach().clone().cpu())
+        return forward(embeds, positions, *args, **kwargs)
+
+    llm.runner.launch, llm.runner._forward = spy_launch, spy_forward
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert len(steps) == len(seen)  # eager on the CPU: one forward per launched step
+    per_request: dict[str, list[torch.Tensor]] = {}
+    for (ids, counts), pos in zip(steps, seen):
+        pos = pos if pos.dim() == 2 else pos.expand(3, -1)
+        for rid, cols in zip(ids, pos.split(counts, dim=1)):
+            per_request.setdefault(rid, []).append(cols)
+    return outs, [torch.cat(per_request[o.request_id], dim=1) for o in outs]
+
+
+def _check_against_transformers(llm, hf_model, outs, positions, image, item):
+    embeds_id = llm.get_tokenizer().convert_tokens_to_ids("<embeds>")
+    enc = llm.mm.encoders["image"]
+    for out, pos in zip(outs, positions):
+        ref_pos, delta, ref_tokens = _reference(hf_model, enc, out.prompt_token_ids, image, item, embeds_id)
+        n = len(out.prompt_token_ids)
+        decode = (torch.arange(n, n + MAX_TOKENS - 1) + delta).expand(3, -1)
+        assert torch.equal(pos, torch.cat([ref_pos, decode], dim=1))
+        assert out.outputs[0].token_ids == ref_tokens
+
+
+def test_mrope_last_image_row_alone_in_a_chunk(model_dir, hf_model):
+    image, item = _inputs()
+    prompt = {"prompt": TAIL_TEXT, "multi_modal_data": {"image": [image]}}
+    n = len(_mrope_llm(model_dir).generate(prompt, GREEDY, use_tqdm=False)[0].prompt_token_ids)
+    llm = _mrope_llm(model_dir, max_num_batched_tokens=n - 1)  # the last chunk is the last image row
+    outs, positions = _generate_recording_positions(llm, prompt)
+    _check_against_transformers(llm, hf_model, outs, positions, image, item)
+
+
+def test_mrope_one_token_chunk_beside_running_decodes(model_dir, hf_model):
+    llm = _mrope_llm(model_dir, max_num_batched_tokens=2, max_num_seqs=2)
+    image, item = _inputs()
+    prompts = ["red blue green", {"prompt": TEXT, "multi_modal_data": {"image": [image],
+                                                                      "prompt_embeds": [item]}}]
+    outs, positions = _generate_recording_positions(llm, prompts)
+    assert llm.scheduler.num_partial_prefills > 0
+    _check_against_transformers(llm, hf_model, outs, positions, image, item)
+
+
+def test_mrope_one_token_budget(model_dir, hf_model):
+    llm = _mrope_llm(model_dir, max_num_batched_tokens=1)
+    image, item = _inputs()
+    prompt = {"prompt": TEXT, "multi_modal_data": {"image": [image], "prompt_embeds": [item]}}
+    outs, positions = _generate_recording_positions(llm, prompt)
+    _check_against_transformers(llm, hf_model, outs, positions, image, item)

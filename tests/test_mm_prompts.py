@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bridge.tiny_models import build_tiny_model
+from runner.llm import LLM
 from runner.multimodal.encoder_cache import feature_identifier
 from runner.multimodal.encoder_protocol import tensor_content_hash
-from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from bridge.tiny_models import build_tiny_model
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:async scheduling turned off"),

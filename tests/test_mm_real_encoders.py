@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from bridge.tiny_models import build_tiny_model
 from encoders.api import build_encoder
 from encoders.tiny import tiny_encoder_config
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from bridge.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:async scheduling turned off")
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.multimodal.encoder_protocol import tensor_content_hash
-from runner.llm import LLM
-from runner.engine.prefix_cache import PrefixCachingBlockManager
-from runner.sampling_params import SamplingParams
 from bridge.tiny_models import build_tiny_model
+from runner.engine.prefix_cache import PrefixCachingBlockManager
+from runner.llm import LLM
+from runner.multimodal.encoder_protocol import tensor_content_hash
+from runner.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:async scheduling turned off"),

@@ -1,4 +1,4 @@
-"""PromptEmbedsState: the overlay contract of DESIGN.md, checked on both runtime paths.
+"""PromptEmbedsState: the overlay contract of docs/ARCHITECTURE.md, checked on both runtime paths.
 
 "torch" is the plain CPU path; "triton" runs the real kernel, interpreted on the CPU
 (tests/conftest.py sets TRITON_INTERPRET=1 when there is no GPU). Interpreted launches are slow,

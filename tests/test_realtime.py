@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import IdentityEncoder
 
+from bridge.tiny_models import build_tiny_model
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
-from bridge.tiny_models import build_tiny_model
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:async scheduling turned off"),

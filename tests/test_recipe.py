@@ -222,8 +222,8 @@ def test_real_recipe_loads_local_weights_and_trains_a_step(name, family, standin
     tower's weights, JSONL rows with media paths; one training step and an eval through the runner."""
     import json
 
-    from bridge.training.trainer import Trainer
     from bridge.tiny_models import build_tiny_model
+    from bridge.training.trainer import Trainer
 
     path = ROOT / "recipes" / "real" / f"{name}.yaml"
     with pytest.raises(RecipeError, match="not found"):  # as shipped, the EDIT paths are named when absent

@@ -100,13 +100,21 @@ class Request:
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     detokenizer: IncrementalDetokenizer | None = None
-    # Multimodal state (runner.multimodal.placeholders / runner.multimodal.state): media and passthrough items sorted by
-    # offset (realtime chunks are appended while the request runs); M-RoPE prompt positions (3, n)
-    # and decode delta on M-RoPE models; chained prefix-cache hashes of its full blocks.
+    # Multimodal state (runner.multimodal.placeholders / runner.multimodal.state): media and
+    # passthrough items sorted by offset (realtime chunks are appended while the request runs);
+    # M-RoPE prompt positions (3, n) and decode delta on M-RoPE models; chained prefix-cache hashes
+    # of its full blocks.
     mm_features: list = field(default_factory=list)
     mrope_positions: torch.Tensor | None = None
     mrope_delta: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache when the request was first admitted (vLLM's
+    # num_cached_tokens); None until then.
+    num_cached_tokens: int | None = None
+    # Incremental outputs (EngineCore.step): output tokens and text characters already reported.
+    num_emitted_tokens: int = 0
+    num_emitted_chars: int = 0
+    finish_emitted: bool = False
     _real_prompt_ids: list[int] | None = field(default=None, repr=False)
     # Async scheduling (runner.engine.async_loop): tokens sampled on the device whose values the host has
     # not read yet. The scheduler plans the next step as if they were known (they count in
@@ -274,4 +282,5 @@ class Request:
             outputs=[completion],
             finished=self.is_finished,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens or 0,
         )

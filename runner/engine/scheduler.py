@@ -17,46 +17,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from runner.engine.block_manager import BlockManager
 from runner.engine.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's plan. `requests[i]` runs `num_scheduled_tokens[i]` tokens starting at its
-    `num_computed_tokens`; `samples[i]` says whether that step completes everything the request
-    knows, so the runner must sample its next token."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    samples: list[bool] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.requests)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.num_scheduled_tokens)
-
-
-@dataclass
-class StepResult:
-    """What the runner hands back per scheduled request (None where it did not sample)."""
-
-    sampled_token_ids: list[int | None]
-    logprobs: list[float | None] | None = None
-    top_logprobs: list[dict[int, float] | None] | None = None
-    # request_id -> (index of the first entry, entries) for the prompt positions computed this
-    # step; entry i is the logprob dict of prompt token i (entry 0, the first token, is None).
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] | None = None
+from runner.engine.step_io import SchedulerOutput, StepResult
 
 
 class Scheduler:
@@ -195,11 +159,13 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 request.num_computed_tokens = num_cached
+                if request.num_cached_tokens is None:  # first admission (not a recompute)
+                    request.num_cached_tokens = num_cached
                 self._admit(request)
                 self._add(out, request, n, scheduled)
                 budget -= n
 
-        if 1 in out.num_scheduled_tokens and not out.is_decode_only:
+        if 1 in out.num_scheduled_tokens and not out.is_single_token:
             self.num_mixed_steps += 1
         return out
 
@@ -208,6 +174,7 @@ class Scheduler:
         out.requests.append(request)
         out.num_scheduled_tokens.append(n)
         out.samples.append(samples)
+        out.decoding.append(request.num_computed_tokens >= request.num_prompt_tokens)
         scheduled.add(request.request_id)
         if not samples:
             self.num_partial_prefills += 1
@@ -307,4 +274,4 @@ class Scheduler:
         if len(keep) == out.num_reqs:
             return out
         return SchedulerOutput([out.requests[i] for i in keep], [out.num_scheduled_tokens[i] for i in keep],
-                               [out.samples[i] for i in keep])
+                               [out.samples[i] for i in keep], decoding=[out.decoding[i] for i in keep])

@@ -1,6 +1,6 @@
 """The structural protocol through which the runner runs encoders it knows nothing about.
 
-The runner never imports `encoders/` (DESIGN.md, import rule). Anything that has these five
+The runner never imports `encoders/` (docs/ARCHITECTURE.md, "Import rules"). Anything that has these five
 members can be handed to the runner: a real vision/audio/graph encoder, a streaming encoder for
 realtime models, or a tiny test double. `"prompt_embeds"` is the built-in passthrough modality:
 its item is already an `(n, hidden)` tensor, so it needs no encoder and is never given one.

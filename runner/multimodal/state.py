@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from runner.engine.request import Request
 from runner.multimodal.encoder_cache import (
     EncoderCache,
     GatheredEmbeds,
@@ -33,7 +34,6 @@ from runner.multimodal.encoder_cache import (
 )
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol, check_encoders
 from runner.worker.model_states import compute_mrope_positions, mrope_positions_window
-from runner.engine.request import Request
 
 
 class MultimodalState:

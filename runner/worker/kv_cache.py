@@ -53,8 +53,9 @@ def determine_num_blocks(
     """How many blocks to allocate: an explicit count, an explicit byte budget, or a share of the GPU.
 
     With `gpu_memory_utilization` the budget is `total * utilization` minus what is already in
-    use on the device (weights, other processes) minus the measured activation peak of a
-    profiling forward pass, so the cache takes what is left and no more.
+    use on the device (weights, other processes; not memory this process's allocator merely keeps
+    cached) minus the measured activation peak of a profiling forward pass, so the cache takes
+    what is left and no more.
     """
     if num_kv_blocks is not None:
         if num_kv_blocks < 1:
@@ -65,7 +66,10 @@ def determine_num_blocks(
             if not 0 < gpu_memory_utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
             free, total = torch.cuda.mem_get_info(device)
-            used = total - free
+            # Memory this process's caching allocator holds but no tensor uses (an engine dropped
+            # earlier in the same process, a finished profiling run) is available to the cache.
+            idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            used = total - free - idle
             kv_cache_memory = int(total * gpu_memory_utilization) - used - peak_activation_bytes
         else:
             kv_cache_memory = DEFAULT_CPU_KV_CACHE_BYTES

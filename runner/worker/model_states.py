@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from runner.worker.hf_config import text_config as _text_config
+
 # -- config inspection -------------------------------------------------------------------------------------
 
 ENCODER_ONLY_MODEL_TYPES = frozenset(
@@ -63,20 +65,6 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     if isinstance(config, Mapping):
         return config.get(name, default)
     return getattr(config, name, default)
-
-
-def _text_config(config: Any) -> Any:
-    """The decoder's text config of a composite (VLM) config, else the config itself."""
-    if isinstance(config, Mapping):
-        sub = config.get("text_config")
-        return sub if isinstance(sub, Mapping) else config
-    getter = getattr(config, "get_text_config", None)
-    if callable(getter):
-        try:
-            return getter(decoder=True)
-        except TypeError:
-            return getter()
-    return config
 
 
 def _model_type(config: Any) -> str:

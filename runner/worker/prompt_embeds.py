@@ -2,7 +2,7 @@
 
 A request whose prompt arrives as an `(n, hidden)` embeddings tensor keeps that tensor on the
 device for its whole life; every step the rows that fall into the request's scheduled window
-replace the token embeddings computed for those positions (DESIGN.md, "Prompt-embeds overlay").
+replace the token embeddings computed for those positions (docs/ARCHITECTURE.md, "The prompt-embeds overlay").
 
 Storage, and why: each live request owns one device tensor (copied once at `add_request`, cast
 to the model dtype there). Three small per-slot device tables (rows address, row count, mask

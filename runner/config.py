@@ -1,0 +1,147 @@
+"""`EngineConfig`: every engine setting in one validated object, device defaults resolved once.
+
+`LLM(...)` keeps vLLM's keyword arguments and builds one of these; the engine core, the model
+runner and the scheduler read their settings from it instead of passing a dozen keywords along.
+Anything that depends on the device or the model (batch limits, the context, the dtype, CUDA
+graphs, the decode window, which fused kernels are installed) is decided in `resolve`, so that
+the rest of the engine never asks "are we on a GPU?" again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runner.worker.hf_config import text_config
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+
+# Most greedy decode steps run back to back without a host sync (see ModelRunner.execute_decode_window).
+MAX_DECODE_WINDOW = 32
+# Measured on an H200 (W1 of benchmarks/generate.py): 8 -> 35%, 16 -> 39%, 32 -> 40% of the roofline.
+DEFAULT_DECODE_WINDOW = 32
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: Any = None) -> torch.dtype:
+    """A torch dtype from a name ('bf16', 'float32', ...) or 'auto' (the checkpoint's own dtype)."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point type, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        found = None
+        if config is not None:
+            found = getattr(text_config(config), "dtype", None) or getattr(config, "dtype", None)
+        if isinstance(found, str):
+            found = DTYPES.get(found.replace("torch.", ""))
+        return found if isinstance(found, torch.dtype) and found.is_floating_point else torch.float32
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {str(dtype)[:40]!r}; use 'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _env_switch(name: str) -> bool:
+    """A kernel switch from the environment: on unless set to '0' (A/B runs)."""
+    return os.environ.get(name, "1") != "0"
+
+
+def _check_int(name: str, value: Any, low: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {str(value)[:40]!r}")
+
+
+@dataclass
+class EngineConfig:
+    """The engine's settings. Built by `LLM(...)`; `resolve` fills the device-dependent defaults.
+
+    Fields left None are decided by `resolve`: `device` (CUDA when available), `max_num_seqs`
+    (256 on a GPU, 32 on the CPU), `max_num_batched_tokens` (8192 / 2048), `max_model_len` (the
+    model's context), `decode_window` (32 with CUDA graphs, else 1), and the kernel switches
+    `fused_ops` / `fused_linear` / `fused_layers` (on on the GPU unless BRIDGE_FUSED_OPS /
+    BRIDGE_FUSED_LINEAR / BRIDGE_FUSED_LAYERS is '0'; off on the CPU).
+    """
+
+    model: str
+    enable_prompt_embeds: bool = False
+    dtype: str | torch.dtype = "auto"
+    device: str | torch.device | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    enforce_eager: bool = False
+    seed: int = 0
+    decode_window: int | None = None
+    enable_prefix_caching: bool = False
+    async_scheduling: bool | None = None
+    encoder_cache_budget: int | None = None
+    fused_ops: bool | None = None
+    fused_linear: bool | None = None
+    fused_layers: bool | None = None
+
+    @property
+    def on_gpu(self) -> bool:
+        return torch.device(self.device).type == "cuda" if self.device is not None else False
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.on_gpu and not self.enforce_eager
+
+    def resolve(self, hf_config: Any) -> EngineConfig:
+        """A copy with every default decided for this model and device, each field validated."""
+        c = dataclasses.replace(self, model=str(pathlib.Path(self.model)))
+        device = torch.device(c.device) if c.device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        c.device = device
+        gpu = device.type == "cuda"
+        c.dtype = resolve_dtype(c.dtype, hf_config)
+        c.max_num_seqs = c.max_num_seqs if c.max_num_seqs is not None else (256 if gpu else 32)
+        c.max_num_batched_tokens = (c.max_num_batched_tokens if c.max_num_batched_tokens is not None
+                                    else (8192 if gpu else 2048))
+        _check_int("max_num_seqs", c.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", c.max_num_batched_tokens, 1)
+        _check_int("block_size", c.block_size, 1)
+        _check_int("num_kv_blocks", c.num_kv_blocks, 1, optional=True)
+        _check_int("kv_cache_memory", c.kv_cache_memory, 1, optional=True)
+        _check_int("encoder_cache_budget", c.encoder_cache_budget, 1, optional=True)
+        _check_int("seed", c.seed, 0)
+        if not isinstance(c.gpu_memory_utilization, int | float) or not 0 < c.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization!r}")
+        context = getattr(text_config(hf_config), "max_position_embeddings", None) or 2048
+        if c.max_model_len is None:
+            c.max_model_len = context
+        elif isinstance(c.max_model_len, bool) or not isinstance(c.max_model_len, int) \
+                or not 1 <= c.max_model_len <= context:
+            raise ValueError(
+                f"max_model_len must be in [1, {context}] (the model's context), got {c.max_model_len!r}")
+        if c.decode_window is None:
+            c.decode_window = DEFAULT_DECODE_WINDOW if c.use_cuda_graphs else 1
+        if isinstance(c.decode_window, bool) or not isinstance(c.decode_window, int) \
+                or not 1 <= c.decode_window <= MAX_DECODE_WINDOW:
+            raise ValueError(f"decode_window must be in [1, {MAX_DECODE_WINDOW}], got {c.decode_window!r}")
+        if c.fused_ops is None:
+            c.fused_ops = gpu and _env_switch("BRIDGE_FUSED_OPS")
+        if c.fused_linear is None:
+            c.fused_linear = c.fused_ops and _env_switch("BRIDGE_FUSED_LINEAR")
+        if c.fused_layers is None:
+            c.fused_layers = c.fused_linear and _env_switch("BRIDGE_FUSED_LAYERS")
+        return c
+
+
+__all__ = ["DEFAULT_DECODE_WINDOW", "DTYPES", "MAX_DECODE_WINDOW", "EngineConfig", "resolve_dtype"]

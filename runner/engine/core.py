@@ -1,0 +1,205 @@
+"""`EngineCore`: the one object that owns an engine step.
+
+It holds the scheduler, the model runner and the multimodal state, and decides how the next step
+runs: a greedy decode window, a plain synchronous step, or an overlapped (async) step. Everything
+that generates drives it the same way — `add_request`, `abort`, `step()` until
+`has_unfinished()` is False — whether that is `LLM.generate`, the streaming
+`LLM.add_request / step / append_input`, or the HTTP server's engine task. `step()` returns
+`RequestDelta`s: for each request the step advanced, its new tokens (and text, when it streams
+text) and, once it ends, why.
+
+Async scheduling (vLLM's scheme; at most one step in flight). One `step()` call either
+
+    launches step n (nothing in flight)                          -> no deltas yet
+    plans + launches step n+1, then finishes step n              -> step n's deltas
+    drains: finishes step n without launching                    -> step n's deltas
+
+Planning n+1 is optimistic: every request sampling in step n has one more (pending) token, its KV
+slot taken now, and its id is copied on the device from step n's sampled ids
+(`ModelRunner._feed_pending_tokens`). Finishing step n is the one host sync: read its tokens,
+append, stop checks. A request that stopped at step n was already planned into n+1: that output
+is discarded (`Scheduler.finish_step` skips finished requests) and its blocks and slot are freed
+once; what step n+1 still writes into them is ordered before any later use on the device stream.
+A request whose pending tokens end it by length anyway is not planned again. A request sampling
+with penalties needs every output id on the host, so while its last token is pending it sits the
+overlapped step out. The core drains, then plans synchronously, when overlapping needs the
+tokens' values: a preemption, a decode window that can run, or nothing plannable.
+
+Tokens equal the synchronous loop's for greedy and seeded sampling (a seeded request owns its
+generator). Unseeded sampling draws from the global generator, whose draws depend on the batch.
+
+Not thread-safe: one caller drives it (`runner.LLM` serialises its callers with a lock; the
+server runs one engine task).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runner.config import EngineConfig
+from runner.engine.block_manager import BlockManager
+from runner.engine.prefix_cache import PrefixCachingBlockManager
+from runner.engine.request import Request
+from runner.engine.scheduler import Scheduler
+from runner.engine.step_io import SchedulerOutput
+from runner.multimodal.state import MultimodalState
+from runner.outputs import RequestDelta
+from runner.worker.model_runner import ModelRunner
+from runner.worker.step_sampling import LaunchedStep
+
+
+def _needs_host_tokens(request: Request, samples: bool) -> bool:
+    """The request samples with penalties while its last token's value is still on the device."""
+    return samples and request.num_pending_outputs > 0 and request.sampling_params.uses_penalties
+
+
+class NoProgressError(RuntimeError):
+    """Requests wait but none can be scheduled (a request cannot fit the KV cache)."""
+
+
+class EngineCore:
+    """Scheduler + model runner + step policy (decode windows, async scheduling); see the module doc.
+
+    `config` must be resolved (`EngineConfig.resolve`). `async_scheduling` is the model state's
+    verdict (`ModelState.check_supported`); `mm` holds the encoders and the encoder cache.
+    """
+
+    def __init__(self, config: EngineConfig, hf_config: Any, *, mm: MultimodalState,
+                 eos_token_ids: tuple[int, ...], async_scheduling: bool) -> None:
+        self.config = config
+        self.mm = mm
+        self.runner = ModelRunner(config, hf_config, eos_token_ids=eos_token_ids, mm=mm)
+        self.max_model_len = self.runner.max_model_len
+        num_blocks = self.runner.num_kv_blocks
+        manager_cls = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
+        self.block_manager = manager_cls(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            on_admit=self.runner.add_request, on_release=self.runner.remove_request,
+        )
+        self.decode_window = config.decode_window
+        self.async_scheduling = async_scheduling
+        self.in_flight: LaunchedStep | None = None
+        # Steps launched while the previous one was still on the device (async scheduling).
+        self.num_async_steps = 0
+
+    # ----------------------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request now and free its KV blocks and slot (None if unknown or already finished).
+
+        Safe with a step in flight: that step's output for the request is discarded when it lands.
+        """
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    # ----------------------------------------------------------------------------- the step
+    def step(self) -> list[RequestDelta]:
+        """Advance the engine by one step (or one decode window); the deltas of what it advanced."""
+        return [d for d in map(self._delta, self._advance()) if d is not None]
+
+    def _advance(self) -> list[Request]:
+        """One step of the policy; returns the requests whose outputs it may have changed."""
+        scheduler, runner = self.scheduler, self.runner
+        if self.in_flight is None:
+            window = self._run_decode_window()
+            if window is not None:
+                return window.requests
+            so = scheduler.schedule()
+            if so.num_reqs == 0:
+                if scheduler.has_unfinished():
+                    raise NoProgressError("scheduler made no progress: a request cannot fit the KV cache")
+                return []
+            if self.async_scheduling:
+                self._launch(so)
+                return []
+            scheduler.update(so, runner.execute(so))
+            return so.requests
+        if self._decode_window_size() > 1:
+            return self._drain()
+        so = scheduler.schedule(allow_preemption=False)
+        if so is not None:
+            so = scheduler.without(so, _needs_host_tokens)
+        if so is None or so.num_reqs == 0:
+            return self._drain()
+        prev = self.in_flight
+        self._launch(so, prev)
+        self.num_async_steps += 1
+        return self._finish(prev)
+
+    def _launch(self, so: SchedulerOutput, prev: LaunchedStep | None = None) -> None:
+        self.in_flight = self.runner.launch(so, prev)
+        self.scheduler.mark_launched(so)
+
+    def _finish(self, step: LaunchedStep) -> list[Request]:
+        self.scheduler.finish_step(step.so, self.runner.finish(step))
+        return step.so.requests
+
+    def _drain(self) -> list[Request]:
+        step, self.in_flight = self.in_flight, None
+        return self._finish(step)
+
+    # ----------------------------------------------------------------------------- decode windows
+    def _decode_window_size(self) -> int:
+        """Greedy decode steps that may run back to back now (1: take a normal step)."""
+        scheduler, runner = self.scheduler, self.runner
+        if not runner.graphs:
+            return 1
+        k = scheduler.decode_window_size(self.decode_window, self.max_model_len)
+        if k > 1 and self.mm.realtime and self.mm.has_pending_rows(scheduler.running):
+            return 1  # decode windows skip the encoder-row gather
+        return k if k > 1 and runner.can_replay(len(scheduler.running)) else 1
+
+    def _run_decode_window(self) -> SchedulerOutput | None:
+        """Run one decode window if one can run now (nothing in flight); its plan, or None."""
+        k = self._decode_window_size()
+        if k <= 1:
+            return None
+        so = self.scheduler.schedule_decode_window(k)
+        if so is not None:
+            self.scheduler.update_window(so, self.runner.execute_decode_window(so, k))
+        return so
+
+    # ----------------------------------------------------------------------------- outputs
+    @staticmethod
+    def _delta(request: Request) -> RequestDelta | None:
+        """What `request` gained since its last delta (None: nothing new)."""
+        new = len(request.output_token_ids) - request.num_emitted_tokens
+        finished = request.is_finished
+        if new <= 0 and (not finished or request.finish_emitted):
+            return None
+        request.finish_emitted = finished
+        first = request.num_emitted_tokens
+        request.num_emitted_tokens += max(new, 0)
+        text = ""
+        if request.detokenizer is not None:
+            full = request.detokenizer.text
+            stops = request.sampling_params.stop_strings
+            # Hold back what could still become a stop string (it would be trimmed at the end).
+            end = len(full) if finished or not stops else max(0, len(full) - max(map(len, stops)) + 1)
+            if end > request.num_emitted_chars:
+                text = full[request.num_emitted_chars : end]
+                request.num_emitted_chars = end
+        logprobs = None if request.logprobs is None else request.logprobs[first : request.num_emitted_tokens]
+        return RequestDelta(
+            request_id=request.request_id, new_token_ids=request.output_token_ids[first:],
+            new_text=text, new_logprobs=logprobs, finished=finished,
+            finish_reason=request.status.value if finished else None, stop_reason=request.stop_reason,
+        )
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def shutdown(self) -> None:
+        """Abort everything and release the device memory the runner holds."""
+        if self.in_flight is not None:
+            self._drain()
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.abort_request(request_id)
+        self.runner.release()
+
+
+__all__ = ["EngineCore", "NoProgressError"]

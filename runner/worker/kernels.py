@@ -1,0 +1,47 @@
+"""Which of Bridge's fused kernels go into a loaded model, decided by the engine config.
+
+Each switch is a field of `EngineConfig` (defaults: on on the GPU, off on the CPU; the
+environment variables BRIDGE_FUSED_OPS / BRIDGE_FUSED_LINEAR / BRIDGE_FUSED_LAYERS=0 turn them
+off for A/B runs). They nest: merged projections need the fused ops, fused decoder layers need
+the merged projections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runner.layers.fused_layers import fuse_decoder_layers
+from runner.layers.fused_linear import fuse_linears
+from runner.layers.fused_ops import fuse_rmsnorms, fuse_rotary
+
+
+@dataclass
+class InstalledKernels:
+    """What was installed (tests and benchmarks read these)."""
+
+    num_fused_norms: int = 0
+    fused_rotary: bool = False
+    num_fused_linears: tuple[int, int] = (0, 0)
+    num_fused_layers: int = 0
+
+
+def install_kernels(model: torch.nn.Module, *, fused_ops: bool, fused_linear: bool,
+                    fused_layers: bool) -> InstalledKernels:
+    """Patch `model` in place: one-kernel RMSNorm and rotary (`runner.layers.fused_ops`), one q/k/v
+    GEMM and one gate/up GEMM + SiLU*mul (`runner.layers.fused_linear`), whole decoder layers on
+    fused kernels (`runner.layers.fused_layers`)."""
+    installed = InstalledKernels()
+    if not fused_ops:
+        return installed
+    installed.num_fused_norms = fuse_rmsnorms(model)
+    installed.fused_rotary = fuse_rotary(model)
+    if fused_linear:
+        installed.num_fused_linears = fuse_linears(model)
+        if fused_layers:
+            installed.num_fused_layers = fuse_decoder_layers(model)
+    return installed
+
+
+__all__ = ["InstalledKernels", "install_kernels"]

@@ -1,0 +1,71 @@
+"""How much activation memory the largest step needs, measured by running it (CUDA).
+
+The KV cache takes what is left of the GPU budget after the weights and this peak, so the peak
+must be the real one of the engine's own step path, not an estimate.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from runner.engine.request import Request
+from runner.engine.step_io import SchedulerOutput
+from runner.sampling_params import SamplingParams
+from runner.worker.kv_cache import allocate_kv_caches
+
+if TYPE_CHECKING:  # type hints only: the runner calls this module, not the other way round
+    from runner.worker.model_runner import ModelRunner
+
+
+@torch.inference_mode()
+def profile_peak_memory(runner: ModelRunner, *, force: bool = False) -> int:
+    """Activation peak of the largest step (CUDA): sizes the KV cache under a memory budget.
+
+    Runs one full step through the runner's normal path (`execute`): `max_num_batched_tokens` prompt
+    tokens split over as few requests as the context allows, on a temporary KV cache just big
+    enough, then the sampler's worst case (softmax and sort of every slot's logits). `force`
+    runs it on the CPU too (tests); the measurement itself is CUDA-only.
+    """
+    if runner.device.type != "cuda" and not force:
+        return 0
+    bs = runner.block_size
+    lens: list[int] = []
+    left = runner.max_num_batched_tokens
+    while left > 0 and len(lens) < runner.max_num_seqs:
+        lens.append(min(left, runner.max_model_len))
+        left -= lens[-1]
+    n_blocks = sum(-(-n // bs) for n in lens)
+    saved_caches, saved_steps = runner.kv_caches, runner.num_forward_steps
+    runner.kv_caches = allocate_kv_caches(runner.kv_spec, n_blocks, runner.device)
+    reqs: list[Request] = []
+    next_block = 0
+    for i, n in enumerate(lens):
+        req = Request(f"profile-{i}", i, [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
+        req.slot = i
+        req.block_ids = list(range(next_block, next_block + -(-n // bs)))
+        next_block += len(req.block_ids)
+        reqs.append(req)
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(runner.device)
+    base = torch.cuda.memory_allocated(runner.device) if cuda else 0
+    runner.execute(SchedulerOutput(reqs, lens, [True] * len(lens)))
+    worst = torch.zeros(runner.max_num_seqs, runner.vocab_size, dtype=torch.float32, device=runner.device)
+    worst = torch.softmax(worst, dim=-1).sort(dim=-1)
+    del worst
+    peak = 0
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(runner.device) - base
+    runner.kv_caches = saved_caches
+    runner.num_blocks_known[:] = 0
+    runner.num_forward_steps = saved_steps
+    if cuda:
+        torch.cuda.empty_cache()
+    return int(peak)
+
+
+__all__ = ["profile_peak_memory"]
