@@ -178,3 +178,21 @@ def test_damaged_meta_names_the_file(tmp_path, text, match):
     with pytest.raises(ValueError, match=match) as info:
         ckpt_io.read_meta(tmp_path)
     assert str(tmp_path / "meta.json") in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "match"),
+    [("model.safetensors", b"", "not a valid safetensors"),
+     ("model.safetensors", None, "not a valid safetensors"),  # truncated to half
+     ("config.json", b"[1]", "expected a JSON object, got list"),
+     ("config.json", b'{"tower": ', "not valid JSON")],
+)
+def test_damaged_encoder_checkpoint_files_name_the_file(run, name, content, match):
+    from encoders.api import load_encoder
+
+    folder = run / "checkpoints" / "step_2" / "encoder" / "graph"
+    path = folder / name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2] if content is None else content)
+    with pytest.raises(ValueError, match=match) as info:
+        load_encoder(folder)
+    assert str(path) in str(info.value)
