@@ -145,8 +145,9 @@ def _stop_strings(stop: object) -> list[str]:
 
 
 def _token_id_list(name: str, ids: object) -> list[int]:
+    """Integer ids in int64 range; an id outside the vocabulary (such as -1) simply never matches."""
     if ids is None:
         return []
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
-    return [_int_field(f"{name}[{i}]", t, low=0) for i, t in enumerate(ids)]
+    return [_int_field(f"{name}[{i}]", t, low=-_MAX_INT - 1) for i, t in enumerate(ids)]

@@ -45,7 +45,7 @@ def test_sampling_params_accept_or_value_error(kwargs):
     assert isinstance(p.top_k, int) and (p.top_k == -1 or p.top_k >= 1)
     assert 0 <= p.min_tokens <= p.max_tokens
     assert all(isinstance(s, str) and s for s in p.stop_strings)
-    assert all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids)
+    assert all(isinstance(t, int) and -(2**63) <= t < 2**63 for t in p.stop_token_ids)
 
 
 # ----------------------------------------------------------------------------- graph JSON
