@@ -74,6 +74,7 @@ def test_result_never_keeps_a_larger_storage_alive():
         assert out.untyped_storage().nbytes() == out.numel() * out.element_size()
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_nested_tensor_is_a_value_error():
     nested = torch.nested.nested_tensor([torch.randn(2, HIDDEN), torch.randn(3, HIDDEN)])
     with pytest.raises(ValueError, match="nested tensors are not accepted"):
