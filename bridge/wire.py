@@ -5,15 +5,21 @@ device tensors to the runner directly. Loading is hostile-input parsing, so ever
 be made on metadata is made before any bytes are materialised:
 
 1. the base64 text length, then the decoded payload size, against the byte cap;
-2. `torch.load(weights_only=True)` (no arbitrary pickle globals, so no code runs) with sparse
+2. the archive itself, before torch opens it (wire_archive.py): stored (never compressed)
+   entries that fit in the payload, and a pickle walked opcode by opcode, never executed, whose
+   globals are a saved tensor's and whose declared storages match their records and the cap;
+   a zip bomb or a pickle declaring a huge storage is refused here, before torch inflates it;
+3. `torch.load(weights_only=True)` (no arbitrary pickle globals, so no code runs) with sparse
    invariant checks on (out-of-range sparse indices are refused, not dereferenced);
-3. type, dtype, rank, declared dense byte size, rows and hidden size, from the tensor's shape
-   and dtype: a sparse tensor (or a dense one with zero strides) declaring a huge dense size is
-   refused before `.to_dense()` / `.contiguous()` could allocate it;
-4. only then densify, cast, and check for NaN/Inf (after the cast: a large fp32 value becomes
-   Inf in fp16).
+4. type, layout (no nested tensors), dtype, rank, declared dense byte size, rows and hidden
+   size, from the tensor's shape and dtype: a sparse tensor (or a dense one with zero strides)
+   declaring a huge dense size is refused before `.to_dense()` / `.contiguous()` could allocate it;
+5. only then densify, cast, and check for NaN/Inf (after the cast: a large fp32 value becomes
+   Inf in fp16); the result owns exactly its own bytes (a view is cloned, so no larger storage
+   stays alive behind it).
 
-Every rejection is a `ValueError` whose message says what was wrong (a 4xx at the server).
+Every rejection is a `ValueError` whose message says what was wrong, bounded in length (it may
+quote caller data): a 4xx at the server.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import io
 import math
 
 import torch
+
+from bridge.wire_archive import inspect_torch_archive, shown, shown_message
 
 DEFAULT_MAX_PROMPT_EMBEDS_BYTES = 256 * 2**20
 """Default cap on a prompt-embeds tensor's dense size (and, plus a small slack, on its payload)."""
@@ -51,7 +59,7 @@ def encode_prompt_embeds(tensor: torch.Tensor) -> str:
 
 def _decode_base64(data: str | bytes | bytearray, max_payload: int) -> bytes:
     if not isinstance(data, (str, bytes, bytearray)):
-        raise ValueError(f"prompt_embeds must be a base64 string, got {type(data).__name__}")
+        raise ValueError(f"prompt_embeds must be a base64 string, got {shown(type(data).__name__)}")
     if len(data) == 0:
         raise ValueError("prompt_embeds is empty")
     if (len(data) // 4) * 3 > max_payload + 3:
@@ -62,7 +70,7 @@ def _decode_base64(data: str | bytes | bytearray, max_payload: int) -> bytes:
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as err:
-        raise ValueError(f"prompt_embeds is not valid base64: {err}") from None
+        raise ValueError(shown_message(f"prompt_embeds is not valid base64: {err}")) from None
     if len(raw) > max_payload:
         raise ValueError(f"prompt_embeds payload of {len(raw)} bytes exceeds the cap of {max_payload} bytes")
     return raw
@@ -74,8 +82,10 @@ def _torch_load_safely(raw: bytes) -> object:
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001  any failure of hostile input is a client error
         raise ValueError(
-            "prompt_embeds could not be loaded as a tensor saved with torch.save "
-            f"(weights_only loading refuses anything else): {type(err).__name__}: {err}"
+            shown_message(
+                "prompt_embeds could not be loaded as a tensor saved with torch.save "
+                f"(weights_only loading refuses anything else): {type(err).__name__}: {err}"
+            )
         ) from None
 
 
@@ -97,12 +107,19 @@ def load_prompt_embeds(
     if dtype is not None and dtype not in _ACCEPTED_DTYPES:
         raise ValueError(f"dtype must be one of {_ACCEPTED_DTYPES}, got {dtype}")
     raw = _decode_base64(data, max_bytes + _PAYLOAD_SLACK_BYTES)
+    inspect_torch_archive(raw, max_bytes)
     tensor = _torch_load_safely(raw)
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"prompt_embeds must hold a single tensor, got {type(tensor).__name__}")
+        raise ValueError(f"prompt_embeds must hold a single tensor, got {shown(type(tensor).__name__)}")
+    if tensor.is_nested:
+        raise ValueError("prompt_embeds must be a plain tensor; nested tensors are not accepted")
+    if isinstance(tensor, torch.nn.Parameter):
+        tensor = tensor.data
+    if type(tensor) is not torch.Tensor:
+        raise ValueError(f"prompt_embeds must be a plain tensor, got {shown(type(tensor).__name__)}")
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
-        raise ValueError(f"prompt_embeds tensor loaded on {tensor.device}, expected cpu")
+        raise ValueError(f"prompt_embeds tensor loaded on {tensor.device.type}, expected cpu")
 
     # Everything below until densifying reads only shape and dtype (declared, not materialised).
     if tensor.dtype not in _ACCEPTED_DTYPES:
@@ -140,4 +157,13 @@ def load_prompt_embeds(
         raise ValueError(
             "prompt_embeds holds NaN or Inf values" + (f" (after casting to {dtype})" if dtype else "")
         )
-    return tensor.contiguous()
+    return _owning(tensor)
+
+
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous in a storage of exactly its own size: a view of a larger storage
+    (an offset, a slice, the squeezed batch) would keep the whole of it alive."""
+    own_bytes = tensor.numel() * tensor.element_size()
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == own_bytes:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)

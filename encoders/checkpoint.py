@@ -78,9 +78,11 @@ def read_encoder_config(directory: str | Path) -> dict:
     if not path.is_file():
         raise ValueError(f"encoder checkpoint {directory} has no {CONFIG_NAME}")
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON (truncated or damaged?): {str(e)[:200]}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
     version = config.pop("bridge_encoder_format", None)
     if version != FORMAT_VERSION:
         raise ValueError(f"{path}: bridge_encoder_format is {version!r}, this code reads {FORMAT_VERSION}")
@@ -97,7 +99,12 @@ def load_encoder(directory: str | Path, device: str | torch.device | None = None
     if not weights.is_file():
         raise ValueError(f"encoder checkpoint {directory} has no {WEIGHTS_NAME}")
     encoder = build_encoder(config)
-    load_state_dict_checked(encoder, load_file(str(weights)), source=str(weights))
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # noqa: BLE001  safetensors raises its own error types on bad bytes
+        why = str(e)[:200]
+        raise ValueError(f"{weights}: not a valid safetensors file (truncated or damaged?): {why}") from None
+    load_state_dict_checked(encoder, state, source=str(weights))
     if device is not None:
         encoder.to(device)
     return encoder

@@ -1,11 +1,14 @@
 """Sampling parameters, shaped like vLLM's so that its users need nothing new.
 
-Validation happens here, at construction, so that a bad value is a `ValueError` before any
-request is scheduled.
+Validation happens here, at construction, so that a bad value is a `ValueError` naming the field
+(type, finiteness, range) before any request is scheduled: a NaN temperature or a string
+`max_tokens` would otherwise surface as garbage tokens or a TypeError deep in the sampler.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -42,35 +45,28 @@ class SamplingParams:
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.max_tokens is None or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is None:
-            self.top_k = -1
+        self.max_tokens = _int_field("max_tokens", self.max_tokens, low=1)
+        self.temperature = _float_field("temperature", self.temperature, low=0.0)
+        self.top_p = _float_field("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        self.top_k = -1 if self.top_k is None else _int_field("top_k", self.top_k, low=-1)
         if self.top_k == 0:
             self.top_k = -1
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if isinstance(self.stop, str):
-            self._stop_list = [self.stop]
-        else:
-            self._stop_list = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.seed is not None:
+            self.seed = _int_field("seed", self.seed, low=_SEED_MIN, high=_SEED_MAX)
+        self.ignore_eos = _bool_field("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _bool_field("skip_special_tokens", self.skip_special_tokens)
+        self._stop_list = _stop_strings(self.stop)
+        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
+        if self.logprobs is not None:
+            self.logprobs = _int_field("logprobs", self.logprobs, low=0)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int_field("prompt_logprobs", self.prompt_logprobs, low=0)
+        self.repetition_penalty = _float_field(
+            "repetition_penalty", self.repetition_penalty, low=0.0, low_open=True
+        )
+        self.presence_penalty = _float_field("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        self.frequency_penalty = _float_field("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        self.min_tokens = _int_field("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -87,3 +83,71 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+_MAX_INT = 2**63 - 1  # ids, counts and seeds end up in int64 tensors
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_MAX_SHOWN = 200  # characters of a caller's value echoed in an error message
+
+
+def _shown(value: object) -> str:
+    """repr of a caller's value, cut to a bounded length for error messages."""
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[:_MAX_SHOWN] + f"... ({len(text)} chars)"
+
+
+def _int_field(name: str, value: object, *, low: int, high: int = _MAX_INT) -> int:
+    """An integer (a bool is not one) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {_shown(value)}")
+    value = int(value)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {_shown(value)}")
+    return value
+
+
+def _float_field(
+    name: str, value: object, *, low: float, high: float = math.inf, low_open: bool = False
+) -> float:
+    """A finite real number in [low, high] ((low, high] with `low_open`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {_shown(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if (value <= low if low_open else value < low) or value > high:
+        span = f"{'(' if low_open else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"
+        raise ValueError(f"{name} must be in {span}, got {value}")
+    return value
+
+
+def _bool_field(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {type(value).__name__} {_shown(value)}")
+    return value
+
+
+def _stop_strings(stop: object) -> list[str]:
+    """`stop` as a list of non-empty strings. An empty stop string is refused: it would match
+    at once (or, in a list, be silently ignored), and neither is what anyone asking for it means."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise ValueError(f"stop[{i}] must be a string, got {type(s).__name__} {_shown(s)}")
+        if not s:
+            where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+            raise ValueError(f"{where} is an empty string; give non-empty stop strings (or none)")
+    return list(items)
+
+
+def _token_id_list(name: str, ids: object) -> list[int]:
+    """Integer ids in int64 range; an id outside the vocabulary (such as -1) simply never matches."""
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    return [_int_field(f"{name}[{i}]", t, low=-_MAX_INT - 1) for i, t in enumerate(ids)]

@@ -9,34 +9,31 @@ rendered with the row's fields. Example line:
     {"audio": "clips/7.wav", "prompt": "<audio> transcribe:", "text": "hello"}
     {"graph": "graphs/3.json", "text": "a ring of 6 atoms"}
 
-Media files are read lazily, on access: images with PIL (RGB), audio as the WAV path (the audio
-tower reads and resamples it), graphs as JSON in the encoders' graph format.
+Everything that can be checked cheaply is checked when the file is loaded, each error naming
+`file:line` (and the media file): JSON, the target, media values (path strings), a media path
+under a key that is not a modality (`{"img": ...}`), the prompt's placeholders against the
+row's media, and each media file's header (image header, WAV header, the whole graph JSON).
+Images are decoded lazily, on access; a file that fails then names `file:line` the same way.
+`check_all_items` decodes every item up front (the eval set does, before training starts).
 """
 
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
 from typing import Any
 
-from bridge.data.example import PLACEHOLDERS, Example, render_prompt
+from bridge.data.example import PLACEHOLDERS, Example, check_media_matches_prompt, render_prompt
+from bridge.data.media import MEDIA_SUFFIXES, check_media_header, decode_fully, load_media
 
 MEDIA_KEYS = tuple(PLACEHOLDERS.values())
+_SHOWN = 120  # characters of a row's value quoted in an error
 
 
-def load_media(modality: str, path: Path) -> Any:
-    if not path.is_file():
-        raise ValueError(f"media file not found: {path}")
-    if modality == "image":
-        from PIL import Image
-
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    if modality == "audio":
-        return str(path)  # audio towers read WAV paths themselves (and resample to their rate)
-    if modality == "graph":
-        return json.loads(path.read_text())
-    raise ValueError(f"unknown media modality {modality!r}")
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
 
 
 class JsonlDataset:
@@ -54,34 +51,64 @@ class JsonlDataset:
         self.prompt = prompt
         self.target_field = target_field
         self.media_root = Path(media_root) if media_root else self.path.parent
+        self._template_fields = {name for _, name, _, _ in string.Formatter().parse(prompt) if name}
         self.rows: list[dict] = []
-        for lineno, line in enumerate(self.path.read_text().splitlines(), start=1):
+        self.line_numbers: list[int] = []
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{self.path}: not UTF-8 text (byte {exc.start})") from None
+        for lineno, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{self.path}:{lineno}: not valid JSON: {exc}") from exc
-            if not isinstance(row, dict):
-                raise ValueError(f"{self.path}:{lineno}: each line must be a JSON object")
-            if not isinstance(row.get(target_field), str):
-                raise ValueError(f"{self.path}:{lineno}: missing string field {target_field!r}")
-            for mod in MEDIA_KEYS:
-                for rel in self._paths(row, mod):
-                    if not (self.media_root / rel).is_file():
-                        raise ValueError(
-                            f"{self.path}:{lineno}: {mod} file not found: {self.media_root / rel}"
-                        )
-            self.rows.append(row)
+            self.rows.append(self._check_row(line, lineno))
+            self.line_numbers.append(lineno)
         if not self.rows:
             raise ValueError(f"{self.path}: no rows")
 
-    @staticmethod
-    def _paths(row: dict, modality: str) -> list[str]:
-        value = row.get(modality)
-        if value is None:
-            return []
-        return [value] if isinstance(value, str) else list(value)
+    def _check_row(self, line: str, lineno: int) -> dict:
+        where = f"{self.path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON: {exc.msg} at column {exc.colno}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: each line must be a JSON object")
+        if not isinstance(row.get(self.target_field), str):
+            raise ValueError(f"{where}: missing string field {self.target_field!r}")
+        if "prompt" in row and not isinstance(row["prompt"], str):
+            raise ValueError(f"{where}: 'prompt' must be a string, got {type(row['prompt']).__name__}")
+        media = {}
+        for mod in MEDIA_KEYS:
+            media[mod] = _media_paths(row, mod, where)
+        self._check_unknown_media_keys(row, where)
+        try:
+            prompt = row.get("prompt") or render_prompt(self.prompt, row)
+            check_media_matches_prompt(prompt, media)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        for mod, rels in media.items():
+            for rel in rels:
+                file = self.media_root / rel
+                try:
+                    check_media_header(mod, file)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {mod} file {file}: {exc}") from None
+        return row
+
+    def _check_unknown_media_keys(self, row: dict, where: str) -> None:
+        """A key that is not a modality (nor the target, "prompt" or a template field) but holds a
+        media path (`{"img": "a.png"}`) is a typo that would otherwise surface mid-training as a
+        placeholder without an item, or as media silently left out."""
+        known = {*MEDIA_KEYS, self.target_field, "prompt", *self._template_fields}
+        for key, value in row.items():
+            if key in known:
+                continue
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, str) and Path(v).suffix.lower() in MEDIA_SUFFIXES for v in values):
+                raise ValueError(
+                    f"{where}: unknown media key {_short(key)}; media keys are {', '.join(MEDIA_KEYS)}"
+                )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -93,8 +120,45 @@ class JsonlDataset:
 
     def __getitem__(self, index: int) -> Example:
         row = self.rows[index]
+        where = f"{self.path}:{self.line_numbers[index]}"
         prompt = row.get("prompt") or render_prompt(self.prompt, row)
-        media = {
-            mod: [load_media(mod, self.media_root / p) for p in self._paths(row, mod)] for mod in MEDIA_KEYS
-        }
-        return Example(prompt, row[self.target_field], {m: v for m, v in media.items() if v})
+        media = {}
+        for mod in MEDIA_KEYS:
+            items = []
+            for rel in _media_paths(row, mod, where):
+                file = self.media_root / rel
+                try:
+                    items.append(load_media(mod, file))
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {mod} file {file}: {exc}") from None
+            if items:
+                media[mod] = items
+        return Example(prompt, row[self.target_field], media)
+
+    def check_all_items(self) -> None:
+        """Decode every item as its encoder will, raising the first failure (naming file:line and
+        the media file). A cheap pass for a small set such as the eval set, so a corrupt item is
+        found before training starts rather than at the end of the run."""
+        for index, row in enumerate(self.rows):
+            where = f"{self.path}:{self.line_numbers[index]}"
+            for mod in MEDIA_KEYS:
+                for rel in _media_paths(row, mod, where):
+                    file = self.media_root / rel
+                    try:
+                        decode_fully(mod, file)
+                    except ValueError as exc:
+                        raise ValueError(f"{where}: {mod} file {file}: {exc}") from None
+
+
+def _media_paths(row: dict, modality: str, where: str) -> list[str]:
+    """The row's media paths for `modality`: a string or a list of non-empty strings."""
+    value = row.get(modality)
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise ValueError(
+            f"{where}: {modality!r} must be a file path or a list of file paths (strings), got "
+            f"{_short(value)}"
+        )
+    return values

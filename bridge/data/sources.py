@@ -18,6 +18,8 @@ def build_datasets(data: Mapping[str, Any], seed: int) -> tuple[Any, Any]:
         kw = dict(prompt=data["prompt"], target_field=data["target_field"], media_root=data.get("media_root"))
         train = JsonlDataset(data["train"], **kw)
         held_out = JsonlDataset(data["eval"], **kw) if data.get("eval") else None
+        if held_out is not None:  # evaluated only after training: find a corrupt item now
+            held_out.check_all_items()
         return train, held_out
     cls = _synthetic_class(source)
     try:

@@ -71,6 +71,7 @@ class Trainer:
         torch.manual_seed(recipe.seed)
         if self.dist.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            ckpt_io.remove_stale_temp_dirs(self.output_dir)
         barrier(self.dist)
 
         self.train_set, self.eval_set = build_datasets(recipe.data, recipe.seed)
@@ -131,7 +132,7 @@ class Trainer:
         self.step = 0
         self.resumed_from: Path | None = None
         if tr.resume:
-            last = ckpt_io.latest_checkpoint(self.output_dir)
+            last = ckpt_io.resumable_checkpoint(self.output_dir)
             if last is not None:
                 self._load_checkpoint(last)
         self.train_module: torch.nn.Module = wrap_for_training(self.model, self.wrapper, self.device)
@@ -286,14 +287,8 @@ class Trainer:
             self.llm.save_pretrained(tmp / "llm", state_dict=ckpt_io.merged_llm_state(self.llm, llm_state))
             self.tokenizer.save_pretrained(tmp / "llm")
             llm_dir = "llm"
-        torch.save(
-            {
-                "optimizer": full.optimizer,
-                "scheduler": self.scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-            },
-            tmp / "trainer_state.pt",
-        )
+        scheduler = self.scheduler.state_dict()
+        ckpt_io.save_trainer_state(tmp / ckpt_io.TRAINER_STATE_NAME, full.optimizer, scheduler)
         return {
             "stage": self.recipe.stage,
             "llm_dir": llm_dir,
@@ -327,7 +322,7 @@ class Trainer:
                 )
             full.update({f"llm.{k}": v for k, v in state.items()})
         load_full_model_state(self.model, full)  # every rank: a sharded model keeps its shard
-        trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+        trainer_state = ckpt_io.load_trainer_state(path / ckpt_io.TRAINER_STATE_NAME)
         load_optimizer_state(self.model, self.optimizer, trainer_state["optimizer"])
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         torch.set_rng_state(trainer_state["torch_rng"].cpu())
@@ -343,12 +338,7 @@ def merged_state_dict(llm: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop metrics past the step we resume from, so a resumed run's curve has no duplicates."""
-    if not path.is_file():
-        return
-    keep = [
-        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+    ckpt_io.truncate_metrics(path, step)
 
 
 def train(recipe: Node, output_dir: str | Path | None = None) -> dict[str, Any]:
