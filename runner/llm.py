@@ -35,6 +35,7 @@ from runner.multimodal.state import MultimodalState
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.hf_config import text_config
+from runner.worker.model_files import check_model_files
 from runner.worker.model_states import load_hf_config, resolve_model_state_cls
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class LLM:
     ) -> None:
         self._lock = threading.RLock()
         model_dir = str(model)
+        check_model_files(model_dir)  # a damaged file is one error naming it, before anything loads
         hf_config = load_hf_config(model_dir)
         self.model_state_cls = resolve_model_state_cls(hf_config)
         realtime = any(getattr(e, "is_realtime", False) for e in (encoders or {}).values())

@@ -1,4 +1,4 @@
-"""runner.model_files.check_model_files: a damaged model directory is one ValueError naming the
+"""runner.worker.model_files.check_model_files: a damaged model directory is one ValueError naming the
 file and what is wrong, checked from metadata before anything loads it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import struct
 import pytest
 from safetensors.torch import load_file
 
-from runner import tiny_models
-from runner.model_files import check_model_files
+from bridge import tiny_models
+from runner.worker.model_files import check_model_files
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +81,16 @@ def test_header_lies_about_a_tensor_are_caught(copy):
 def test_a_missing_directory_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         check_model_files(str(tmp_path / "nope"))
+
+
+def test_llm_construction_checks_the_files_first(tmp_path):
+    """`LLM(...)` runs the check before transformers reads anything: the error names the file."""
+    from bridge.tiny_models import build_tiny_model
+    from runner import LLM
+
+    model_dir = build_tiny_model(tmp_path / "m", "llama", seed=0, hidden_size=32, num_layers=1,
+                                 num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32)
+    weights = next(model_dir.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-7])
+    with pytest.raises(ValueError, match=weights.name):
+        LLM(model_dir, device="cpu", num_kv_blocks=8)
