@@ -7,8 +7,8 @@ KV cache layout, per decoder layer: `key_cache` and `value_cache` are each
 Two backends compute the same thing:
 
 - "triton" (default for CUDA tensors): the kernels of `runner.layers.paged_attention_triton`. The decode
-  path is CUDA-graph capturable. It also runs on CPU tensors under `TRITON_INTERPRET=1`, which is how the tests
-  check it against the torch path.
+  path is CUDA-graph capturable. It also runs on CPU tensors under `TRITON_INTERPRET=1`, which is how
+  the tests check it against the torch path.
 - "torch" (default for CPU tensors): per request, gather the K/V of its blocks, then a plain fp32
   matmul-softmax-matmul with a causal offset mask. Simple enough to trust, and the reference the kernels
   are tested against. It loops over requests on the host (it reads `query_start_loc_cpu` /
