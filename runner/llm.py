@@ -32,7 +32,7 @@ from runner.engine.prompts import PromptProcessor, PromptType
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
 from runner.multimodal.state import MultimodalState
-from runner.outputs import RequestOutput
+from runner.outputs import GenerationError, RequestOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.hf_config import text_config
 from runner.worker.model_files import check_model_files
@@ -143,7 +143,7 @@ class LLM:
         self.processor = PromptProcessor(
             tokenizer=self.tokenizer, vocab_size=self.runner.vocab_size, hidden_size=self.runner.hidden_size,
             max_model_len=self.max_model_len, enable_prompt_embeds=enable_prompt_embeds,
-            eos_token_ids=self.eos_token_ids, mm=self.mm, device=self.device,
+            eos_token_ids=self.eos_token_ids, mm=self.mm, device=self.device, dtype=config.dtype,
             model_state_cls=self.model_state_cls, hf_config=hf_config, on_multimodal=self._allow_mm,
         )
         self._request_counter = itertools.count()
@@ -256,7 +256,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in input order. Every prompt is validated first: a
-        `ValueError` naming the first bad one, and nothing of the call is scheduled."""
+        `ValueError` naming the first bad one, and nothing of the call is scheduled. A prompt that
+        fails while running (its item's encoder raises or returns NaN/Inf) fails alone: the call
+        ends with a `GenerationError` that names it and holds the other prompts' outputs."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -292,7 +294,11 @@ class LLM:
                     if not req.is_finished:
                         self.core.abort(req.request_id)
                 bar.close()
-            return [req.to_output(self.tokenizer) for req in requests]
+            outputs = [req.to_output(self.tokenizer) for req in requests]
+            errors = {i: req.error for i, req in enumerate(requests) if req.error is not None}
+            if errors:
+                raise GenerationError(errors, [None if i in errors else o for i, o in enumerate(outputs)])
+            return outputs
 
     # ----------------------------------------------------------------------------- streaming
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> str:

@@ -38,6 +38,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the request failed while running (finish_reason "error")
 
 
 @dataclass
@@ -56,3 +57,18 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class GenerationError(ValueError):
+    """Some prompts of a `generate` call failed while running (an encoder raised or returned
+    NaN/Inf for one of their items); the others finished and their outputs are kept here.
+
+    `errors` maps the index of each failed prompt to what went wrong; `outputs[i]` is the
+    `RequestOutput` of prompt i, or None for a failed one.
+    """
+
+    def __init__(self, errors: dict[int, str], outputs: list[RequestOutput | None]) -> None:
+        self.errors = errors
+        self.outputs = outputs
+        first = min(errors)
+        super().__init__(f"{len(errors)} of {len(outputs)} prompts failed; prompt {first}: {errors[first]}")

@@ -53,13 +53,14 @@ def test_async_with_encoders_explicit_is_error_default_warns(model_dir):
 
 def test_async_then_multimodal_prompt(model_dir):
     item = {"prompt": "red <embeds>", "multi_modal_data": {"prompt_embeds": [torch.ones(2, 64)]}}
-    explicit = LLM(model_dir, async_scheduling=True, device="cpu", num_kv_blocks=16)
+    explicit = LLM(model_dir, enable_prompt_embeds=True,
+                   async_scheduling=True, device="cpu", num_kv_blocks=16)
     with pytest.raises(ValueError, match="async scheduling"):
         explicit.generate(["text", item], GREEDY, use_tqdm=False)
     assert explicit.num_steps == 0
     with pytest.raises(ValueError, match="async scheduling"):
         explicit.register_encoder(IdentityEncoder("image"))
-    default = LLM(model_dir, device="cpu", num_kv_blocks=16)
+    default = LLM(model_dir, enable_prompt_embeds=True, device="cpu", num_kv_blocks=16)
     with pytest.warns(UserWarning, match="async scheduling turned off"):
         out = default.generate(item, GREEDY, use_tqdm=False)
     assert default.async_scheduling is False and len(out[0].outputs[0].token_ids) == GREEDY.max_tokens

@@ -104,7 +104,8 @@ def _reference(hf_model, enc, prompt_ids: list[int], image, item, embeds_id: int
 def test_mrope_engine_matches_transformers(model_dir, hf_model, chunked):
     enc = GridImageEncoder()
     kw = dict(max_num_batched_tokens=5, max_num_seqs=2) if chunked else {}
-    llm = LLM(model_dir, encoders={"image": enc}, async_scheduling=False, device="cpu", num_kv_blocks=64,
+    llm = LLM(model_dir, enable_prompt_embeds=True,
+              encoders={"image": enc}, async_scheduling=False, device="cpu", num_kv_blocks=64,
               **kw)
     embeds_id = llm.get_tokenizer().convert_tokens_to_ids("<embeds>")
     image, item = _inputs()
@@ -133,7 +134,8 @@ def test_mrope_engine_matches_transformers(model_dir, hf_model, chunked):
 
 def test_mrope_text_prompt_next_to_media_prompt(model_dir, hf_model):
     enc = GridImageEncoder()
-    llm = LLM(model_dir, encoders={"image": enc}, async_scheduling=False, device="cpu", num_kv_blocks=64)
+    llm = LLM(model_dir, enable_prompt_embeds=True,
+              encoders={"image": enc}, async_scheduling=False, device="cpu", num_kv_blocks=64)
     embeds_id = llm.get_tokenizer().convert_tokens_to_ids("<embeds>")
     image, item = _inputs()
     prompts = ["red blue green", {"prompt": TEXT, "multi_modal_data": {"image": [image],
@@ -161,7 +163,8 @@ TAIL_TEXT = "red blue <|vision_start|><image>"
 
 
 def _mrope_llm(model_dir, **kw):
-    return LLM(model_dir, encoders={"image": GridImageEncoder()}, async_scheduling=False, device="cpu",
+    return LLM(model_dir, enable_prompt_embeds=True,
+               encoders={"image": GridImageEncoder()}, async_scheduling=False, device="cpu",
                num_kv_blocks=64, **kw)
 
 

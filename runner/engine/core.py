@@ -39,9 +39,10 @@ from typing import Any
 from runner.config import EngineConfig
 from runner.engine.block_manager import BlockManager
 from runner.engine.prefix_cache import PrefixCachingBlockManager
-from runner.engine.request import Request
+from runner.engine.request import Request, RequestStatus
 from runner.engine.scheduler import Scheduler
 from runner.engine.step_io import SchedulerOutput
+from runner.multimodal.encoder_cache import EncoderFailure
 from runner.multimodal.state import MultimodalState
 from runner.outputs import RequestDelta
 from runner.worker.model_runner import ModelRunner
@@ -100,8 +101,31 @@ class EngineCore:
 
     # ----------------------------------------------------------------------------- the step
     def step(self) -> list[RequestDelta]:
-        """Advance the engine by one step (or one decode window); the deltas of what it advanced."""
-        return [d for d in map(self._delta, self._advance()) if d is not None]
+        """Advance the engine by one step (or one decode window); the deltas of what it advanced.
+
+        An encoder that fails on some items (raises, or returns NaN/Inf rows) fails only the
+        requests holding those items: they finish with reason "error" and `Request.error` says
+        which modality and what went wrong; the step runs again for the others on the next call.
+        """
+        try:
+            advanced = self._advance()
+        except EncoderFailure as failure:
+            advanced = self._fail_requests_with(failure)
+        return [d for d in map(self._delta, advanced) if d is not None]
+
+    def _fail_requests_with(self, failure: EncoderFailure) -> list[Request]:
+        failed = []
+        for request in list(self.scheduler.requests.values()):
+            bad = [f for f in request.mm_features if f.identifier in failure.failed]
+            if bad:
+                self.scheduler.abort_request(request.request_id)
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = (f"the {bad[0].modality} encoder failed on an item at position "
+                                 f"{bad[0].placeholder.offset}: {failure.failed[bad[0].identifier]}")
+                failed.append(request)
+        if not failed:
+            raise failure  # no request holds the items: not a per-request fault
+        return failed
 
     def _advance(self) -> list[Request]:
         """One step of the policy; returns the requests whose outputs it may have changed."""

@@ -18,7 +18,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from runner.engine.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, Request
-from runner.multimodal.placeholders import ExpandedPrompt, expand_mm_prompt, placeholder_token
+from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY
+from runner.multimodal.placeholders import (
+    ExpandedPrompt,
+    check_dense_tensor,
+    expand_mm_prompt,
+    fits_dtype,
+    placeholder_token,
+)
+from runner.multimodal.prompt_text import split_at_placeholders
 from runner.multimodal.state import MultimodalState
 from runner.sampling_params import SamplingParams
 from runner.worker.model_states import ModelState
@@ -40,8 +48,9 @@ class ParsedPrompt:
     mm: ExpandedPrompt | None = None
 
 
-def check_embeds_finite(parsed: Sequence[ParsedPrompt]) -> None:
-    """NaN/Inf in any prompt's embeds is a ValueError naming the first such prompt.
+def check_embeds_finite(parsed: Sequence[ParsedPrompt], dtype: torch.dtype | None = None) -> None:
+    """NaN/Inf in any prompt's embeds, or a value that the cast to the model `dtype` turns into
+    Inf, is a ValueError naming the first such prompt.
 
     One host sync per device for the whole call instead of one per prompt (64 prompts on a GPU
     paid 64 round trips before anything was scheduled).
@@ -52,10 +61,11 @@ def check_embeds_finite(parsed: Sequence[ParsedPrompt]) -> None:
             by_device.setdefault(p.embeds.device, []).append((i, p.embeds))
     bad = []
     for items in by_device.values():
-        finite = torch.stack([torch.isfinite(e).all() for _, e in items]).tolist()
+        finite = torch.stack([fits_dtype(e, dtype) for _, e in items]).tolist()
         bad += [i for (i, _), ok in zip(items, finite) if not ok]
     if bad:
-        raise ValueError(f"prompt {min(bad)}: prompt_embeds contains NaN or Inf")
+        raise ValueError(f"prompt {min(bad)}: prompt_embeds contains NaN or Inf (or values beyond the range "
+                         f"of the model dtype {dtype})")
 
 
 class PromptProcessor:
@@ -76,6 +86,7 @@ class PromptProcessor:
         eos_token_ids: Sequence[int],
         mm: MultimodalState,
         device: torch.device,
+        dtype: torch.dtype,
         model_state_cls: type[ModelState],
         hf_config: Any,
         on_multimodal: Callable[[], None],
@@ -88,6 +99,7 @@ class PromptProcessor:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.mm = mm
         self.device = device
+        self.dtype = dtype
         self.model_state_cls = model_state_cls
         self.hf_config = hf_config
         self.on_multimodal = on_multimodal
@@ -97,7 +109,7 @@ class PromptProcessor:
                 request_ids: Sequence[str], *, stream_text: bool = False) -> list[Request]:
         """Validate every prompt and its params, then build the requests (all or none)."""
         parsed = [self.parse(i, p) for i, p in enumerate(prompts)]
-        check_embeds_finite(parsed)
+        check_embeds_finite(parsed, self.dtype)
         for i, (pp, sp) in enumerate(zip(parsed, params)):
             self.check_params(i, pp, sp)
         return [self.make_request(rid, i, pp, sp, stream_text=stream_text)
@@ -133,6 +145,7 @@ class PromptProcessor:
         ids = prompt.get("prompt_token_ids")
         if ids is not None:
             if isinstance(ids, torch.Tensor):
+                check_dense_tensor(ids, f"prompt {i}: prompt_token_ids")
                 ids = ids.tolist()
             if not isinstance(ids, Sequence) or not all(isinstance(t, int) for t in ids):
                 raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
@@ -160,6 +173,7 @@ class PromptProcessor:
                              "enable_prompt_embeds=False")
         if not isinstance(embeds, torch.Tensor):
             raise ValueError(f"prompt {i}: prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
+        check_dense_tensor(embeds, f"prompt {i}: prompt_embeds")
         if embeds.dim() != 2:
             raise ValueError(
                 f"prompt {i}: prompt_embeds must be 2-D (n, hidden), got shape {tuple(embeds.shape)}")
@@ -176,7 +190,13 @@ class PromptProcessor:
         mask = prompt.get("prompt_is_token_ids")
         token_ids = [PLACEHOLDER_TOKEN_ID] * n
         if mask is not None:
-            mask = torch.as_tensor(mask)
+            if isinstance(mask, torch.Tensor):
+                check_dense_tensor(mask, f"prompt {i}: prompt_is_token_ids")
+            try:
+                mask = torch.as_tensor(mask)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError(f"prompt {i}: prompt_is_token_ids must be a bool tensor or list, got "
+                                 f"{type(mask).__name__}") from None
             if mask.dtype != torch.bool:
                 raise ValueError(f"prompt {i}: prompt_is_token_ids must be bool, got {mask.dtype}")
             if tuple(mask.shape) != (n,):
@@ -226,23 +246,40 @@ class PromptProcessor:
             raise ValueError(f"prompt {i}: multi_modal_data must be a dict {{modality: [items]}}")
         if not self.model_state_cls.supports_mm_inputs:  # raises, naming the model type and the reason
             self.model_state_cls.check_supported(self.hf_config, enable_prompt_embeds=False, has_mm=True)
+        if PROMPT_EMBEDS_MODALITY in mm_data and not self.enable_prompt_embeds:
+            raise ValueError(f"prompt {i}: a prompt_embeds item given but the LLM was built with "
+                             "enable_prompt_embeds=False")
         text = prompt.get("prompt")
         ids = prompt.get("prompt_token_ids")
+        positions = None
         if ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt {i}: give 'prompt' or 'prompt_token_ids' with multi_modal_data")
-            ids = self._encode(i, text)
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {i}: a text prompt needs a tokenizer in the model directory")
+            # Split at the placeholder strings: works whether or not the tokenizer knows them.
+            strings = {placeholder_token(m, self.mm.encoders.get(m)): m for m in mm_data}
+            ids, positions = split_at_placeholders(self.tokenizer, text, strings)
+            placeholder_ids = {}
+            for pos, m in positions:
+                own = getattr(self.mm.encoders.get(m), "placeholder_token_id", None)
+                if isinstance(own, int):
+                    ids[pos] = own
+                placeholder_ids.setdefault(m, ids[pos])
+            placeholder_ids.update({m: 0 for m in mm_data if m not in placeholder_ids})
         else:
+            if isinstance(ids, torch.Tensor):
+                check_dense_tensor(ids, f"prompt {i}: prompt_token_ids")
             ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
             if not all(isinstance(t, int) for t in ids):
                 raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
+            placeholder_ids = {m: self.placeholder_id(i, m) for m in mm_data}
+            if len(set(placeholder_ids.values())) != len(placeholder_ids):
+                raise ValueError(f"prompt {i}: two modalities share a placeholder token: {placeholder_ids}")
         self._check_ids(i, ids)
-        placeholder_ids = {m: self.placeholder_id(i, m) for m in mm_data}
-        if len(set(placeholder_ids.values())) != len(placeholder_ids):
-            raise ValueError(f"prompt {i}: two modalities share a placeholder token: {placeholder_ids}")
         self.on_multimodal()
         expanded = expand_mm_prompt(ids, mm_data, placeholder_ids, self.mm.encoders, self.hidden_size,
-                                    where=f"prompt {i}")
+                                    where=f"prompt {i}", placeholder_positions=positions, dtype=self.dtype)
         if not expanded.token_ids:
             raise ValueError(f"prompt {i}: the prompt is empty")
         if len(expanded.token_ids) > self.max_model_len:

@@ -26,6 +26,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
 
     @property
     def is_finished(self) -> bool:
@@ -33,6 +34,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -115,6 +117,8 @@ class Request:
     num_emitted_tokens: int = 0
     num_emitted_chars: int = 0
     finish_emitted: bool = False
+    # Why the request failed (status FINISHED_ERROR), e.g. its item's encoder raised.
+    error: str | None = None
     _real_prompt_ids: list[int] | None = field(default=None, repr=False)
     # Async scheduling (runner.engine.async_loop): tokens sampled on the device whose values the host has
     # not read yet. The scheduler plans the next step as if they were known (they count in
@@ -283,4 +287,5 @@ class Request:
             finished=self.is_finished,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens or 0,
+            error=self.error,
         )

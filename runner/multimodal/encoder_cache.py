@@ -188,6 +188,19 @@ def _offset_of(feature: MultiModalFeature) -> int:
     return feature.placeholder.offset
 
 
+class EncoderFailure(ValueError):
+    """Encoding failed for some items: `failed` maps each item's identifier to what went wrong.
+
+    Raised by `EncoderCache.ensure` after the items that did encode were cached; the engine fails
+    the requests that hold the bad items and runs the others on.
+    """
+
+    def __init__(self, failed: Mapping[str, str]) -> None:
+        self.failed = dict(failed)
+        first = next(iter(self.failed.items()))
+        super().__init__(f"{len(self.failed)} item(s) failed to encode; {first[0][:80]}: {first[1]}")
+
+
 class EncoderCache:
     """Device-resident encoder outputs keyed by identifier, with a row budget and LRU eviction.
 
@@ -362,19 +375,42 @@ class EncoderCache:
             else:
                 by_modality.setdefault(feature.modality, []).append(feature)
 
+        failed: dict[str, str] = {}
         for modality, group in by_modality.items():
             encoder = (encoders or {}).get(modality)
             if encoder is None:
                 raise ValueError(f"no encoder registered for modality {modality!r}")
-            outputs = encoder.encode([f.item for f in group])
-            self.num_encoder_calls += 1
-            self.num_encoded_items += len(group)
-            if not isinstance(outputs, Sequence) or len(outputs) != len(group):
-                got = len(outputs) if isinstance(outputs, Sequence) else type(outputs).__name__
-                raise ValueError(f"encoder for {modality!r} returned {got} outputs for {len(group)} items")
-            for feature, rows in zip(group, outputs):
-                self._check_rows(feature, rows, f"{modality!r} encoder output")
-                self._insert(feature.identifier, rows.to(device=self.device, dtype=self.dtype), pinned)
+            try:
+                self._encode_group(modality, encoder, group, pinned)
+            except Exception:  # noqa: BLE001 - any encoder error: find the items that cause it
+                for feature in group:  # one by one, so that only the prompts of bad items fail
+                    try:
+                        self._encode_group(modality, encoder, [feature], pinned)
+                    except Exception as err:  # noqa: BLE001
+                        failed[feature.identifier] = f"{type(err).__name__}: {str(err)[:200]}"
+        if failed:
+            raise EncoderFailure(failed)
+
+    def _encode_group(self, modality: str, encoder: EncoderProtocol, group: list[MultiModalFeature],
+                      pinned: set[str]) -> None:
+        """One batched `encode` call; every output checked (shape, NaN/Inf after the cast to the
+        cache dtype) before any is cached."""
+        outputs = encoder.encode([f.item for f in group])
+        self.num_encoder_calls += 1
+        self.num_encoded_items += len(group)
+        if not isinstance(outputs, Sequence) or len(outputs) != len(group):
+            got = len(outputs) if isinstance(outputs, Sequence) else type(outputs).__name__
+            raise ValueError(f"encoder for {modality!r} returned {got} outputs for {len(group)} items")
+        rows_of = []
+        for feature, rows in zip(group, outputs):
+            self._check_rows(feature, rows, f"{modality!r} encoder output")
+            rows_of.append(rows.to(device=self.device, dtype=self.dtype))
+        finite = torch.stack([torch.isfinite(r).all() for r in rows_of]).tolist()
+        if not all(finite):
+            raise ValueError(f"{modality!r} encoder output contains NaN or Inf (in the cache dtype "
+                             f"{self.dtype})")
+        for feature, rows in zip(group, rows_of):
+            self._insert(feature.identifier, rows, pinned)
 
     def _upload(self, feature: MultiModalFeature) -> torch.Tensor:
         tensor = feature.item

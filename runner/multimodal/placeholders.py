@@ -51,24 +51,48 @@ class ExpandedPrompt:
     mrope_items: list[MRopeItem] = field(default_factory=list)
 
 
-def check_passthrough_item(tensor: Any, hidden_size: int, where: str) -> None:
-    """A "prompt_embeds" item must be a finite 2-D floating tensor of the model's hidden size."""
+def check_dense_tensor(tensor: torch.Tensor, where: str) -> None:
+    """A caller's tensor must hold real, dense data: no sparse, nested or meta tensors (their
+    operations raise NotImplementedError or RuntimeError deep inside torch)."""
+    if tensor.is_nested:
+        raise ValueError(f"{where} must be a dense tensor, got a nested tensor")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{where} must be a dense (strided) tensor, got layout {tensor.layout}")
+    if tensor.device.type == "meta":
+        raise ValueError(f"{where} is a meta tensor: it has no data")
+
+
+def fits_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A device bool: every value is finite and stays finite when cast to `dtype` (1e39 in float64
+    is finite but becomes Inf in bfloat16). NaN compares False, so it fails too."""
+    limit = torch.finfo(tensor.dtype).max
+    if dtype is not None and dtype.is_floating_point:
+        limit = min(limit, torch.finfo(dtype).max)
+    return (tensor.abs() <= limit).all()
+
+
+def check_passthrough_item(tensor: Any, hidden_size: int, where: str,
+                           dtype: torch.dtype | None = None) -> None:
+    """A "prompt_embeds" item must be a dense 2-D floating tensor of the model's hidden size whose
+    values are finite in the model dtype."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{where}: a prompt_embeds item must be a torch.Tensor, got {type(tensor).__name__}")
+    check_dense_tensor(tensor, f"{where}: a prompt_embeds item")
     if tensor.dim() != 2 or not tensor.is_floating_point():
         raise ValueError(f"{where}: a prompt_embeds item must be a 2-D floating tensor, got "
                          f"{tensor.dtype} of shape {tuple(tensor.shape)}")
     if tensor.shape[0] == 0 or tensor.shape[1] != hidden_size:
         raise ValueError(f"{where}: a prompt_embeds item must be (n >= 1, hidden={hidden_size}), got "
                          f"{tuple(tensor.shape)}")
-    if not bool(torch.isfinite(tensor).all()):
-        raise ValueError(f"{where}: a prompt_embeds item contains NaN or Inf")
+    if not bool(fits_dtype(tensor, dtype)):
+        raise ValueError(f"{where}: a prompt_embeds item contains NaN or Inf (or values beyond the range of "
+                         f"the model dtype {dtype})")
 
 
 def item_num_rows(modality: str, item: Any, encoders: Mapping[str, EncoderProtocol], hidden_size: int,
-                  where: str) -> int:
+                  where: str, dtype: torch.dtype | None = None) -> int:
     if modality == PROMPT_EMBEDS_MODALITY:
-        check_passthrough_item(item, hidden_size, where)
+        check_passthrough_item(item, hidden_size, where, dtype)
         return int(item.shape[0])
     encoder = encoders.get(modality)
     if encoder is None:
@@ -104,12 +128,16 @@ def expand_mm_prompt(
     hidden_size: int,
     *,
     where: str = "prompt",
+    placeholder_positions: Sequence[tuple[int, str]] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> ExpandedPrompt:
     """Expand every placeholder of `token_ids` to its item's rows; build the features.
 
-    `placeholder_ids[modality]` is the id of the modality's placeholder token. Items of a
-    modality are matched to its placeholders in order. Raises `ValueError` for an unknown
-    modality, a count mismatch, or a bad item.
+    Placeholders are found by id (`placeholder_ids[modality]` is the id of the modality's
+    placeholder token) or, for text split at placeholder strings
+    (`runner.multimodal.prompt_text.split_at_placeholders`), given as `placeholder_positions`
+    [(position, modality)]. Items of a modality are matched to its placeholders in order. Raises
+    `ValueError` for an unknown modality, a count mismatch, or a bad item.
     """
     if not isinstance(mm_data, Mapping):
         raise ValueError(f"{where}: multi_modal_data must be a dict {{modality: [items]}}")
@@ -120,11 +148,18 @@ def expand_mm_prompt(
                              f"known: {sorted(placeholder_ids)}")
         seq = list(value) if isinstance(value, list | tuple) else [value]
         items[modality] = seq
-    modality_of_id = {pid: m for m, pid in placeholder_ids.items() if m in items}
+    if placeholder_positions is None:
+        modality_of_id = {pid: m for m, pid in placeholder_ids.items() if m in items}
+        modality_at = [modality_of_id.get(t) for t in token_ids]
+    else:
+        modality_at = [None] * len(token_ids)
+        for pos, m in placeholder_positions:
+            modality_at[pos] = m
     counts = {m: 0 for m in items}
-    for t in token_ids:
-        m = modality_of_id.get(t)
+    for m in modality_at:
         if m is not None:
+            if m not in counts:
+                raise ValueError(f"{where}: a {m!r} placeholder but no {m!r} items in multi_modal_data")
             counts[m] += 1
     for modality, seq in items.items():
         if counts[modality] != len(seq):
@@ -136,8 +171,7 @@ def expand_mm_prompt(
     features: list[MultiModalFeature] = []
     mrope_items: list[MRopeItem] = []
     used = {m: 0 for m in items}
-    for t in token_ids:
-        m = modality_of_id.get(t)
+    for t, m in zip(token_ids, modality_at):
         if m is None:
             out_ids.append(int(t))
             mask.append(True)
@@ -145,7 +179,7 @@ def expand_mm_prompt(
         item = items[m][used[m]]
         item_where = f"{where}: {m} item {used[m]}"
         used[m] += 1
-        n = item_num_rows(m, item, encoders, hidden_size, item_where)
+        n = item_num_rows(m, item, encoders, hidden_size, item_where, dtype)
         offset = len(out_ids)
         features.append(make_feature(m, item, PlaceholderRange(offset, n), encoders))
         mrope_items.append(MRopeItem(offset, n, item_grid(m, item, encoders, n, item_where)))
