@@ -188,6 +188,8 @@ def _attend_tile(
     q_pos,
     kv_head,
     qk_scale,
+    window,
+    softcap_l2,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -202,11 +204,17 @@ def _attend_tile(
     MASK_KV: tl.constexpr,
     CAUSAL: tl.constexpr,
     IS_FP32: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One key tile [start, start + TILE_N) against the query rows `q` (BLOCK_M, HEAD_DIM).
 
     MASK_KV: keys at or past `kv_limit` are masked (the tail tile). CAUSAL: key j is visible to row r
-    only when j <= q_pos[r]. Neither is needed for tiles wholly inside every row's visible range.
+    only when j <= q_pos[r]. WINDOW: key j is visible to row r only when j > q_pos[r] - window (the lower
+    edge of a sliding window); a row may then see no key of the tile, so the running max is guarded.
+    None of the three is needed for tiles wholly inside every row's visible range. SOFTCAP: logits
+    (already in base 2) become `softcap_l2 * tanh(s / softcap_l2)`, i.e. `c * tanh(x / c)` in natural
+    units with `softcap_l2 = c * log2(e)`.
     """
     offs_n = start + tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -239,13 +247,24 @@ def _attend_tile(
     else:
         s = tl.dot(q, k)
     s = s * qk_scale
+    if SOFTCAP:
+        # tanh(t) = 1 - 2 / (exp(2t) + 1): exact at both ends in fp32 (exp overflows to inf -> 1).
+        s = softcap_l2 * (1.0 - 2.0 / (tl.exp(2.0 * (s / softcap_l2)) + 1.0))
     if MASK_KV:
         s = tl.where(n_mask[None, :], s, float("-inf"))
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+    if WINDOW:
+        s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if WINDOW:
+        # A row with no visible key so far keeps m = -inf; exp2(-inf - -inf) would be NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASK_KV:
         v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
@@ -276,6 +295,8 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
+    window,
+    softcap_l2,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -299,6 +320,8 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,
     TILE_N: tl.constexpr,
     IS_FP32: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # KV heads fastest: the programs of one request run together and read whole (token, all heads) rows.
     kv_head = tl.program_id(0)
@@ -322,13 +345,18 @@ def _decode_kernel(
         other=0.0,
     )
 
+    # The one query sits at seq_len - 1; a sliding window of W shows it keys [seq_len - W, seq_len),
+    # so the key range itself starts there and no tile needs a window mask.
+    first = 0
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = first
         hi = seq_len
     else:
-        # Whole tiles per split so every split but the last starts on a tile boundary.
-        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
-        lo = split * chunk
+        # Whole tiles per split so every split but the last starts on a tile boundary (from `first`).
+        chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), TILE_N) * TILE_N
+        lo = first + split * chunk
         hi = tl.minimum(lo + chunk, seq_len)
     full_hi = lo + tl.maximum(hi - lo, 0) // TILE_N * TILE_N
 
@@ -340,14 +368,16 @@ def _decode_kernel(
     for start in range(lo, full_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, hi, q_pos, kv_head, qk_scale,
+            window, softcap_l2,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP,
         )  # fmt: skip
     if full_hi < hi:
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, full_hi, hi, q_pos, kv_head, qk_scale,
+            window, softcap_l2,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, True, False, IS_FP32,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, True, False, IS_FP32, False, SOFTCAP,
         )  # fmt: skip
 
     has_keys = l_i > 0.0
@@ -419,6 +449,8 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     qk_scale,
+    window,
+    softcap_l2,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -444,6 +476,8 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     IS_FP32: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # Flat grid over query blocks: request b owns programs [qsl[b]//BLOCK_Q + b, qsl[b+1]//BLOCK_Q + b + 1),
     # at least ceil(q_len / BLOCK_Q) of them, so the grid (num_tokens // BLOCK_Q + num_reqs) needs no
@@ -486,24 +520,42 @@ def _prefill_kernel(
 
     first_pos = context_len + q_block * BLOCK_Q
     kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
-    # Keys [0, full_end) are visible to every row of this block: no mask there.
-    full_end = (first_pos + 1) // TILE_N * TILE_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for start in range(0, full_end, TILE_N):
+    lo = 0
+    if SLIDING:
+        # Keys below `lo` are outside every row's window. Keys in [lo, win_full) are inside the window of
+        # some rows only (the lower edge, masked per row); keys >= win_full = last row - W + 1 are inside
+        # every row's window, so the tiles from there on are the full-attention tiles.
+        lo = tl.maximum(first_pos - window + 1, 0)
+        win_full = tl.maximum(kv_end - window, lo)
+        edge_end = lo + tl.cdiv(win_full - lo, TILE_N) * TILE_N
+        for start in range(lo, edge_end, TILE_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head,
+                qk_scale, window, softcap_l2,
+                stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, True, SOFTCAP,
+            )  # fmt: skip
+        lo = edge_end
+    # Keys [lo, full_end) are visible to every row of this block: no mask there.
+    full_end = lo + tl.maximum(first_pos + 1 - lo, 0) // TILE_N * TILE_N
+    for start in range(lo, full_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
+            window, softcap_l2,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP,
         )  # fmt: skip
     for start in range(full_end, kv_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
+            window, softcap_l2,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, False, SOFTCAP,
         )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -606,12 +658,17 @@ def paged_attention_triton(
     *,
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Run the decode and/or prefill kernels into `out` (num_tokens, num_q_heads, head_dim); returns `out`.
 
     Which kernels launch: `meta.is_decode_only` or `max_query_len <= 1` -> decode only (the CUDA-graph
     path: no host data read beyond `meta.num_reqs`). Otherwise the prefill kernel, plus the decode kernel
     unless the host copy `meta.query_start_loc_cpu` shows no single-row request.
+    `sliding_window` (keys p-W+1..p visible) and `softcap` (`c * tanh(logit / c)`) as in
+    `runner.paged_attention.paged_attention`; each is a compile-time switch, so layers without them run
+    the kernels unchanged.
     """
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -623,6 +680,10 @@ def paged_attention_triton(
         return out
     group = num_q_heads // num_kv_heads
     qk_scale = float(scale) * LOG2E
+    sliding = sliding_window is not None
+    window = int(sliding_window) if sliding else 0
+    has_softcap = softcap is not None
+    softcap_l2 = float(softcap) * LOG2E if has_softcap else 1.0
     is_fp32 = query.dtype == torch.float32
     common_strides = (
         *query.stride(),
@@ -651,9 +712,10 @@ def paged_attention_triton(
             part_out = part_lse = out  # unused
         _decode_kernel[(num_kv_heads, num_reqs, splits)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            out, part_out, part_lse, qk_scale, *common_strides, num_q_heads, group,
+            out, part_out, part_lse, qk_scale, window, softcap_l2, *common_strides, num_q_heads, group,
             NUM_SPLITS=splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=block_g,
-            TILE_N=cfg.tile_n, IS_FP32=is_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            TILE_N=cfg.tile_n, IS_FP32=is_fp32, SLIDING=sliding, SOFTCAP=has_softcap,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
             _decode_reduce_kernel[(num_reqs, num_q_heads)](
@@ -670,9 +732,10 @@ def paged_attention_triton(
         num_q_blocks = query.shape[0] // block_q + num_reqs
         _prefill_kernel[(num_q_blocks, num_kv_heads)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-            qk_scale, *common_strides, group, num_reqs,
+            qk_scale, window, softcap_l2, *common_strides, group, num_reqs,
             BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,
             TILE_N=cfg.tile_n, SEARCH_BLOCK=min(1024, triton.next_power_of_2(num_reqs)), IS_FP32=is_fp32,
+            SLIDING=sliding, SOFTCAP=has_softcap,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out
