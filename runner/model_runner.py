@@ -28,6 +28,7 @@ from runner.attention_metadata import AttentionMetadata, ForwardContext, set_for
 from runner.hf_attention import ATTN_IMPLEMENTATION, register_bridge_attention
 from runner.inputs_embeds import InputsEmbedsBuilder
 from runner.kv_cache import KVCacheSpec, allocate_kv_caches
+from runner.logits_head import wrap_lm_head
 from runner.request import Request
 from runner.sampler import Sampler, SamplingBatch
 from runner.sampling_params import SamplingParams
@@ -248,7 +249,7 @@ class ModelRunner:
                     self.num_fused_layers = fuse_decoder_layers(self.model)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.embed_tokens = model.get_input_embeddings()
-        self.lm_head = model.get_output_embeddings()
+        self.lm_head = wrap_lm_head(model.get_output_embeddings(), config)  # + final logit scaling/capping
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.hidden_size = text.hidden_size
         self.vocab_size = self.embed_tokens.weight.shape[0]

@@ -10,7 +10,10 @@ embeddings cannot work with it, and why.
 
 Families:
 
-- `DefaultModelState`: decoder-only causal LMs (llama, qwen2, qwen3, mistral, ...).
+- `DefaultModelState`: decoder-only causal LMs. The families Bridge tests against Hugging Face each have
+  a subclass (`LlamaModelState`, `Gemma2ModelState`, ...; `FAMILY_MODEL_STATES`) whose flags make the
+  README's capability table (`capability_table_markdown`); a decoder-only family without one runs with a
+  one-time warning that it is untested.
 - `MRopeModelState`: Qwen2-VL-family text models; positions are 3-D (`compute_mrope_positions`).
 - `EncoderDecoderModelState`: `config.is_encoder_decoder` (t5, bart, whisper) or a text config with
   cross-attention layers (mllama).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -130,6 +134,10 @@ class ModelState:
     (decode-step embeddings streamed into a live request), `supports_async_scheduling_with_mm`,
     `supports_prompt_logprobs_with_embeds`, `uses_mrope`, and the family markers `is_encoder_decoder`,
     `is_hybrid`, `is_encoder_only`. `family` and `unsupported_reason` feed the error messages.
+    Engine paths, for the capability table: `supports_cuda_graphs` (decode steps replay captured graphs),
+    `supports_fused_layers` (`runner.fused_layers` runs its decoder layers on the GPU),
+    `supports_prefix_caching`; `tested` (the family's greedy tokens are checked against Hugging Face in
+    the test suite) and `attention` (its attention variant, in words).
     """
 
     family: ClassVar[str] = "decoder-only"
@@ -144,6 +152,11 @@ class ModelState:
     is_encoder_decoder: ClassVar[bool] = False
     is_hybrid: ClassVar[bool] = False
     is_encoder_only: ClassVar[bool] = False
+    supports_cuda_graphs: ClassVar[bool] = True
+    supports_fused_layers: ClassVar[bool] = False
+    supports_prefix_caching: ClassVar[bool] = True
+    tested: ClassVar[bool] = False
+    attention: ClassVar[str] = "causal"
 
     def __init__(self, config: Any) -> None:
         self.config = config
@@ -185,6 +198,12 @@ class ModelState:
             raise cls._fail(config, "prompt embeddings (enable_prompt_embeds=True)", cls.unsupported_reason)
         if not cls.supports_generation:
             raise cls._fail(config, "generation in Bridge's runner", cls.unsupported_reason)
+        missing = unsupported_config_feature(config)
+        if missing is not None:
+            feature, why = missing
+            raise cls._fail(config, feature, why)
+        if not cls.tested:
+            _warn_untested_once(config)
         if has_mm and not cls.supports_mm_inputs:
             raise cls._fail(config, "multimodal inputs", cls.unsupported_reason)
         if realtime and not cls.supports_realtime:
@@ -222,7 +241,103 @@ class ModelState:
 
 
 class DefaultModelState(ModelState):
-    """Decoder-only causal LMs (llama, qwen2, qwen3, mistral, ...): everything Bridge offers."""
+    """Decoder-only causal LMs: everything Bridge offers. Used as is for a family not in the table."""
+
+
+# -- tested families: one class each; their flags are the README's capability table ---------------------------
+
+
+class FamilyModelState(DefaultModelState):
+    """A decoder-only family whose greedy tokens tests/test_families.py checks against Hugging Face.
+
+    `model_types`: the config `model_type`s it covers; `hf_class`: the causal-LM class that loads it.
+    """
+
+    tested = True
+    model_types: ClassVar[tuple[str, ...]] = ()
+    hf_class: ClassVar[str] = ""
+
+
+class LlamaModelState(FamilyModelState):
+    model_types = ("llama",)
+    hf_class = "LlamaForCausalLM"
+    supports_fused_layers = True
+
+
+class MistralModelState(FamilyModelState):
+    model_types = ("mistral",)
+    hf_class = "MistralForCausalLM"
+    supports_fused_layers = True
+    attention = "sliding window (every layer)"
+
+
+class Qwen2ModelState(FamilyModelState):
+    model_types = ("qwen2",)
+    hf_class = "Qwen2ForCausalLM"
+    supports_fused_layers = True
+    attention = "causal; sliding window above `max_window_layers` (`use_sliding_window`)"
+
+
+class Qwen3ModelState(FamilyModelState):
+    model_types = ("qwen3",)
+    hf_class = "Qwen3ForCausalLM"
+    supports_fused_layers = True
+    attention = "causal, q/k norm"
+
+
+class Qwen3MoeModelState(FamilyModelState):
+    model_types = ("qwen3_moe",)
+    hf_class = "Qwen3MoeForCausalLM"
+    attention = "causal, q/k norm; mixture of experts"
+
+
+class MixtralModelState(FamilyModelState):
+    model_types = ("mixtral",)
+    hf_class = "MixtralForCausalLM"
+    attention = "causal (sliding window if set); mixture of experts"
+
+
+class OlmoeModelState(FamilyModelState):
+    model_types = ("olmoe",)
+    hf_class = "OlmoeForCausalLM"
+    attention = "causal, q/k norm; mixture of experts"
+
+
+class GemmaModelState(FamilyModelState):
+    model_types = ("gemma",)
+    hf_class = "GemmaForCausalLM"
+    attention = "causal; scaled embeddings"
+
+
+class Gemma2ModelState(FamilyModelState):
+    model_types = ("gemma2",)
+    hf_class = "Gemma2ForCausalLM"
+    attention = ("interleaved sliding/full layers, logit soft-capping, `query_pre_attn_scalar`; "
+                 "final logit soft-capping")
+
+
+class Gemma3TextModelState(FamilyModelState):
+    model_types = ("gemma3_text",)
+    hf_class = "Gemma3ForCausalLM"
+    attention = "interleaved sliding/full layers (`layer_types`), q/k norm, local rotary base"
+
+
+class Phi3ModelState(FamilyModelState):
+    model_types = ("phi3",)
+    hf_class = "Phi3ForCausalLM"
+    attention = "causal (sliding window if set), fused qkv"
+
+
+class Olmo2ModelState(FamilyModelState):
+    model_types = ("olmo2",)
+    hf_class = "Olmo2ForCausalLM"
+    attention = "causal, q/k norm"
+
+
+class GraniteModelState(FamilyModelState):
+    model_types = ("granite",)
+    hf_class = "GraniteForCausalLM"
+    attention = "causal; embedding/residual/attention multipliers, logits scaling"
 
 
 class MRopeModelState(ModelState):
@@ -236,6 +351,8 @@ class MRopeModelState(ModelState):
     family = "M-RoPE decoder-only"
     uses_mrope = True
     supports_realtime = False
+    tested = True
+    attention = "causal, 3-D M-RoPE positions"
 
     def compute_positions(self, num_tokens: int, items: Sequence[MRopeItem]) -> tuple[torch.Tensor, int]:
         """(3, num_tokens) int64 prompt positions and the decode delta; grids are in LLM tokens."""
@@ -281,6 +398,122 @@ class EncoderOnlyModelState(ModelState):
     is_encoder_only = True
 
 
+# -- features the engine lacks, read from the config --------------------------------------------------------
+
+# Layer kinds the paged attention serves (hybrid kinds are `HybridModelState`'s business).
+SUPPORTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Families whose attention needs something the config does not spell out.
+_MODEL_TYPE_FEATURES: dict[str, tuple[str, str]] = {
+    "gpt_oss": ("attention sinks", "learned per-head sink logits join every softmax; the paged kernels "
+                "have no sink term"),
+    "llama4": ("chunked local attention", "chunked-attention layers and no-rope layers are not "
+               "implemented in the paged attention path"),
+    "llama4_text": ("chunked local attention", "chunked-attention layers and no-rope layers are not "
+                    "implemented in the paged attention path"),
+}
+
+
+def unsupported_config_feature(config: Any) -> tuple[str, str] | None:
+    """(feature, why) for the first attention variant or layer type in `config` that the engine lacks.
+
+    Read from the config alone, so `LLM(...)` refuses the model before any weight loads rather than
+    failing inside a forward pass.
+    """
+    text = _text_config(config)
+    for cfg in (config, text):
+        found = _MODEL_TYPE_FEATURES.get(_model_type(cfg))
+        if found is not None:
+            return found
+    layer_types = _get(text, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)):
+        unknown = sorted({str(t) for t in layer_types} - SUPPORTED_LAYER_TYPES - HYBRID_LAYER_TYPES)
+        if unknown:
+            return (f"layer type {unknown[0]!r}", f"the paged attention path serves {sorted(SUPPORTED_LAYER_TYPES)}")
+    if _get(text, "attention_chunk_size", None):
+        return ("chunked local attention (attention_chunk_size)", "the paged attention path masks by "
+                "sliding window or causally, not by chunk")
+    if _get(text, "use_bidirectional_attention", False):
+        return ("bidirectional attention (use_bidirectional_attention)", "the paged attention path is causal")
+    if _get(text, "kv_lora_rank", None):
+        return ("multi-head latent attention (kv_lora_rank)", "the paged KV cache holds per-head keys and "
+                "values, not a compressed latent")
+    head_dim = _get(text, "head_dim", None)
+    v_head_dim = _get(text, "v_head_dim", None)
+    if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim:
+        return (f"value head_dim {v_head_dim} != query/key head_dim {head_dim}", "the paged KV cache "
+                "stores keys and values with one head_dim")
+    if _get(text, "alibi", False) or _get(_get(text, "attn_config", None) or {}, "alibi", False):
+        return ("ALiBi position biases", "the paged attention kernels add no position bias")
+    if not isinstance(config, Mapping):
+        uses_interface = _uses_attention_interface(config)
+        if uses_interface is False:
+            return ("the attention-function interface", "its attention layers do not call transformers' "
+                    "AttentionInterface, so the paged attention ('bridge_paged') cannot run them")
+    return None
+
+
+def _uses_attention_interface(config: Any) -> bool | None:
+    """Whether the config's causal-LM class dispatches attention through `AttentionInterface`; None if
+    transformers maps no causal-LM class to it. Imports the modeling module, reads no weights."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ImportError, ValueError, AttributeError):
+        return None
+    return bool(getattr(model_cls, "_supports_attention_backend", False))
+
+
+_WARNED_UNTESTED: set[str] = set()
+_WARN_LOCK = threading.Lock()
+
+
+def _warn_untested_once(config: Any) -> None:
+    model_type = _model_type(config)
+    with _WARN_LOCK:
+        if model_type in _WARNED_UNTESTED:
+            return
+        _WARNED_UNTESTED.add(model_type)
+    warnings.warn(
+        f"model type {model_type!r} is not in Bridge's tested families ({', '.join(sorted(FAMILY_MODEL_STATES))}); "
+        "it runs through Hugging Face's own modules with paged attention, but its outputs are not checked "
+        "against Hugging Face in the test suite",
+        stacklevel=3,
+    )
+
+
+FAMILY_MODEL_STATES: dict[str, type[ModelState]] = {
+    model_type: cls for cls in FamilyModelState.__subclasses__() for model_type in cls.model_types
+}
+
+
+def capability_rows() -> list[tuple[str, type[ModelState]]]:
+    """(model type, model-state class) of every tested generative family, in table order."""
+    rows = sorted(FAMILY_MODEL_STATES.items())
+    rows.append(("qwen2_vl", MRopeModelState))
+    return rows
+
+
+def capability_table_markdown() -> str:
+    """The README's capability table, generated from the model-state classes' flags."""
+
+    def mark(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    lines = [
+        "| model type | attention | prompt embeds | multimodal items | CUDA graphs | fused layers | "
+        "prefix caching |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model_type, cls in capability_rows():
+        lines.append(
+            f"| `{model_type}` | {cls.attention} | {mark(cls.supports_prompt_embeds)} | "
+            f"{mark(cls.supports_mm_inputs)} | {mark(cls.supports_cuda_graphs)} | "
+            f"{mark(cls.supports_fused_layers)} | {mark(cls.supports_prefix_caching)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def resolve_model_state_cls(config: Any) -> type[ModelState]:
     """Pick the model-state class from a config (a transformers config or a config.json dict) alone."""
     text_config = _text_config(config)
@@ -298,7 +531,7 @@ def resolve_model_state_cls(config: Any) -> type[ModelState]:
         return HybridModelState
     if _model_type(config) in MROPE_MODEL_TYPES or _uses_mrope(text_config):
         return MRopeModelState
-    return DefaultModelState
+    return FAMILY_MODEL_STATES.get(_model_type(config), DefaultModelState)
 
 
 # -- loading -----------------------------------------------------------------------------------------------
