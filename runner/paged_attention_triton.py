@@ -190,6 +190,7 @@ def _attend_tile(
     qk_scale,
     window,
     softcap_l2,
+    head_dim,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -206,6 +207,7 @@ def _attend_tile(
     IS_FP32: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    PAD_D: tl.constexpr,
 ):
     """One key tile [start, start + TILE_N) against the query rows `q` (BLOCK_M, HEAD_DIM).
 
@@ -214,7 +216,8 @@ def _attend_tile(
     edge of a sliding window); a row may then see no key of the tile, so the running max is guarded.
     None of the three is needed for tiles wholly inside every row's visible range. SOFTCAP: logits
     (already in base 2) become `softcap_l2 * tanh(s / softcap_l2)`, i.e. `c * tanh(x / c)` in natural
-    units with `softcap_l2 = c * log2(e)`.
+    units with `softcap_l2 = c * log2(e)`. PAD_D: HEAD_DIM is `head_dim` rounded up to a power of two and
+    the lanes past `head_dim` load as zeros (they add nothing to q.k and are never stored).
     """
     offs_n = start + tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -239,7 +242,12 @@ def _attend_tile(
         + offs_d[None, :] * stride_vd
     )
     if MASK_KV:
-        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+        if PAD_D:
+            k = tl.load(k_ptrs, mask=n_mask[None, :] & (offs_d[:, None] < head_dim), other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+    elif PAD_D:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
     else:
         k = tl.load(k_ptrs)
     if IS_FP32:
@@ -267,7 +275,12 @@ def _attend_tile(
         p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASK_KV:
-        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+        if PAD_D:
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+    elif PAD_D:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
     else:
         v = tl.load(v_ptrs)
     acc = acc * alpha[:, None]
@@ -297,6 +310,7 @@ def _decode_kernel(
     qk_scale,
     window,
     softcap_l2,
+    head_dim,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -322,6 +336,7 @@ def _decode_kernel(
     IS_FP32: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    PAD_D: tl.constexpr,
 ):
     # KV heads fastest: the programs of one request run together and read whole (token, all heads) rows.
     kv_head = tl.program_id(0)
@@ -339,9 +354,10 @@ def _decode_kernel(
     g_mask = offs_g < num_q_per_kv
     heads = kv_head * num_q_per_kv + offs_g
     row = q_start.to(tl.int64)
+    d_mask = offs_d < head_dim  # all true unless HEAD_DIM pads head_dim to a power of two
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_mask[:, None],
+        mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
 
@@ -368,16 +384,16 @@ def _decode_kernel(
     for start in range(lo, full_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, hi, q_pos, kv_head, qk_scale,
-            window, softcap_l2,
+            window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
     if full_hi < hi:
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, full_hi, hi, q_pos, kv_head, qk_scale,
-            window, softcap_l2,
+            window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, True, False, IS_FP32, False, SOFTCAP,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, True, False, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
 
     has_keys = l_i > 0.0
@@ -386,7 +402,7 @@ def _decode_kernel(
         tl.store(
             out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
             o.to(out_ptr.dtype.element_ty),
-            mask=g_mask[:, None],
+            mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
         part = (req.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
@@ -405,6 +421,7 @@ def _decode_reduce_kernel(
     stride_oh,
     stride_od,
     num_q_heads,
+    head_dim,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -431,6 +448,7 @@ def _decode_reduce_kernel(
     tl.store(
         out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od,
         res.to(out_ptr.dtype.element_ty),
+        mask=offs_d < head_dim,
     )
 
 
@@ -451,6 +469,7 @@ def _prefill_kernel(
     qk_scale,
     window,
     softcap_l2,
+    head_dim,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -478,6 +497,7 @@ def _prefill_kernel(
     IS_FP32: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    PAD_D: tl.constexpr,
 ):
     # Flat grid over query blocks: request b owns programs [qsl[b]//BLOCK_Q + b, qsl[b+1]//BLOCK_Q + b + 1),
     # at least ceil(q_len / BLOCK_Q) of them, so the grid (num_tokens // BLOCK_Q + num_reqs) needs no
@@ -511,9 +531,10 @@ def _prefill_kernel(
     row_mask = (q_idx < q_len) & (g < num_q_per_kv)
     heads = kv_head * num_q_per_kv + g
     rows = (q_start + q_idx).to(tl.int64)
+    io_mask = row_mask[:, None] & (offs_d[None, :] < head_dim)
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=row_mask[:, None],
+        mask=io_mask,
         other=0.0,
     )
     q_pos = context_len + q_idx
@@ -536,9 +557,9 @@ def _prefill_kernel(
         for start in range(lo, edge_end, TILE_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head,
-                qk_scale, window, softcap_l2,
+                qk_scale, window, softcap_l2, head_dim,
                 stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-                BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, True, SOFTCAP,
+                BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, True, SOFTCAP, PAD_D,
             )  # fmt: skip
         lo = edge_end
     # Keys [lo, full_end) are visible to every row of this block: no mask there.
@@ -546,23 +567,23 @@ def _prefill_kernel(
     for start in range(lo, full_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
-            window, softcap_l2,
+            window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
     for start in range(full_end, kv_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
-            window, softcap_l2,
+            window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, False, SOFTCAP,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
         o.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None],
+        mask=io_mask,
     )
 
 
@@ -641,9 +662,14 @@ def _default_decode_config(dtype: torch.dtype) -> DecodeConfig:
     return DecodeConfig()
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' HEAD_DIM: head_dim rounded up to a power of two (>= 16, `tl.dot`'s smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def validate_triton_shapes(head_dim: int, block_size: int) -> None:
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"Triton paged attention needs head_dim a power of two in [16, 256], got {head_dim}")
+    if head_dim < 1 or head_dim > 256:
+        raise ValueError(f"Triton paged attention needs head_dim in [1, 256], got {head_dim}")
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"Triton paged attention needs block_size a power of two, got {block_size}")
 
@@ -685,6 +711,8 @@ def paged_attention_triton(
     has_softcap = softcap is not None
     softcap_l2 = float(softcap) * LOG2E if has_softcap else 1.0
     is_fp32 = query.dtype == torch.float32
+    d_pad = padded_head_dim(head_dim)  # e.g. Phi-3-mini's 96 runs as 128 with masked lanes
+    pad_d = d_pad != head_dim
     common_strides = (
         *query.stride(),
         *key_cache.stride(),
@@ -705,22 +733,22 @@ def paged_attention_triton(
         block_g = max(16, triton.next_power_of_2(group))
         if splits > 1:
             part_out = torch.empty(
-                (num_reqs, num_q_heads, splits, head_dim), dtype=torch.float32, device=query.device
+                (num_reqs, num_q_heads, splits, d_pad), dtype=torch.float32, device=query.device
             )
             part_lse = torch.empty((num_reqs, num_q_heads, splits), dtype=torch.float32, device=query.device)
         else:
             part_out = part_lse = out  # unused
         _decode_kernel[(num_kv_heads, num_reqs, splits)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            out, part_out, part_lse, qk_scale, window, softcap_l2, *common_strides, num_q_heads, group,
-            NUM_SPLITS=splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=block_g,
-            TILE_N=cfg.tile_n, IS_FP32=is_fp32, SLIDING=sliding, SOFTCAP=has_softcap,
+            out, part_out, part_lse, qk_scale, window, softcap_l2, head_dim, *common_strides, num_q_heads,
+            group, NUM_SPLITS=splits, BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_G=block_g,
+            TILE_N=cfg.tile_n, IS_FP32=is_fp32, SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
             _decode_reduce_kernel[(num_reqs, num_q_heads)](
-                part_out, part_lse, meta.query_start_loc, out, *out.stride(), num_q_heads,
-                NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                part_out, part_lse, meta.query_start_loc, out, *out.stride(), num_q_heads, head_dim,
+                NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=d_pad,
                 num_warps=1 if head_dim <= 64 else 2,
             )  # fmt: skip
 
@@ -732,10 +760,10 @@ def paged_attention_triton(
         num_q_blocks = query.shape[0] // block_q + num_reqs
         _prefill_kernel[(num_q_blocks, num_kv_heads)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-            qk_scale, window, softcap_l2, *common_strides, group, num_reqs,
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,
+            qk_scale, window, softcap_l2, head_dim, *common_strides, group, num_reqs,
+            BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,
             TILE_N=cfg.tile_n, SEARCH_BLOCK=min(1024, triton.next_power_of_2(num_reqs)), IS_FP32=is_fp32,
-            SLIDING=sliding, SOFTCAP=has_softcap,
+            SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out
