@@ -232,8 +232,12 @@ class ModelRunner:
             fused_ops = device.type == "cuda" and os.environ.get("BRIDGE_FUSED_OPS", "1") != "0"
         self.num_fused_norms, self.fused_rotary, self.num_fused_linears = 0, False, (0, 0)
         self.num_fused_layers = 0
+        self.num_grouped_moe = 0
         if fused_ops:
             from runner.fused_ops import fuse_rmsnorms, fuse_rotary
+            from runner.moe_grouped import install_grouped_moe
+
+            self.num_grouped_moe = install_grouped_moe(self.model)  # MoE experts: one grouped GEMM pair
 
             self.num_fused_norms = fuse_rmsnorms(self.model)
             self.fused_rotary = fuse_rotary(self.model)
