@@ -244,7 +244,7 @@ class DefaultModelState(ModelState):
     """Decoder-only causal LMs: everything Bridge offers. Used as is for a family not in the table."""
 
 
-# -- tested families: one class each; their flags are the README's capability table ---------------------------
+# -- tested families: one class each; their flags are the README's capability table ---------------------
 
 
 class FamilyModelState(DefaultModelState):
@@ -428,7 +428,8 @@ def unsupported_config_feature(config: Any) -> tuple[str, str] | None:
     if isinstance(layer_types, (list, tuple)):
         unknown = sorted({str(t) for t in layer_types} - SUPPORTED_LAYER_TYPES - HYBRID_LAYER_TYPES)
         if unknown:
-            return (f"layer type {unknown[0]!r}", f"the paged attention path serves {sorted(SUPPORTED_LAYER_TYPES)}")
+            return (f"layer type {unknown[0]!r}",
+                    f"the paged attention path serves {sorted(SUPPORTED_LAYER_TYPES)}")
     if _get(text, "attention_chunk_size", None):
         return ("chunked local attention (attention_chunk_size)", "the paged attention path masks by "
                 "sliding window or causally, not by chunk")
@@ -475,7 +476,8 @@ def _warn_untested_once(config: Any) -> None:
             return
         _WARNED_UNTESTED.add(model_type)
     warnings.warn(
-        f"model type {model_type!r} is not in Bridge's tested families ({', '.join(sorted(FAMILY_MODEL_STATES))}); "
+        f"model type {model_type!r} is not in Bridge's tested families "
+        f"({', '.join(sorted(FAMILY_MODEL_STATES))}); "
         "it runs through Hugging Face's own modules with paged attention, but its outputs are not checked "
         "against Hugging Face in the test suite",
         stacklevel=3,

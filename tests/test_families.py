@@ -63,8 +63,9 @@ def _hf_greedy(model, ids=None, embeds=None) -> list[int]:
     if ids is not None:
         out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
         return out[0, len(ids):].tolist()
-    out = model.generate(inputs_embeds=embeds[None], attention_mask=torch.ones(1, embeds.shape[0], dtype=torch.long),
-                         max_new_tokens=MAX_TOKENS, do_sample=False)
+    mask = torch.ones(1, embeds.shape[0], dtype=torch.long)
+    out = model.generate(inputs_embeds=embeds[None], attention_mask=mask, max_new_tokens=MAX_TOKENS,
+                         do_sample=False)
     return out[0].tolist()
 
 
@@ -136,7 +137,7 @@ def test_readme_capability_table_is_the_generated_one():
     begin, end = "<!-- capability-table:begin -->\n", "<!-- capability-table:end -->"
     assert begin in text and end in text, "README lacks the capability-table markers"
     table = text.split(begin, 1)[1].split(end, 1)[0]
-    assert table == capability_table_markdown(), "regenerate with runner.model_states.capability_table_markdown()"
+    assert table == capability_table_markdown(), "regenerate: runner.model_states.capability_table_markdown()"
 
 
 def test_every_tested_family_has_a_model_state_and_the_fused_flag_matches_fused_layers(family_dirs):
@@ -185,7 +186,8 @@ def test_untested_decoder_only_family_runs_with_a_one_time_warning(tmp_path):
 
     tok = build_tokenizer()
     config = transformers.Starcoder2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4,
         num_key_value_heads=2, sliding_window=None, bos_token_id=1, eos_token_id=2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

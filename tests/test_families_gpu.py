@@ -28,7 +28,8 @@ def _run(path, monkeypatch, fused: bool, dtype: str):
     llm = LLM(path, dtype=dtype, device="cuda", block_size=16, num_kv_blocks=64, max_num_batched_tokens=32,
               max_num_seqs=8)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(12, llm.runner.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 45)]
+    vocab = llm.runner.vocab_size
+    prompts = [torch.randint(12, vocab, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 45)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=24, temperature=0.0, logprobs=0), use_tqdm=False)
     return llm, outs

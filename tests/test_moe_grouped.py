@@ -24,7 +24,8 @@ BLOCKS = {
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", "MixtralSparseMoeBlock",
                 dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)),
-    "olmoe": ("OlmoeConfig", "OlmoeSparseMoeBlock", dict(num_experts=5, num_experts_per_tok=3, intermediate_size=24)),
+    "olmoe": ("OlmoeConfig", "OlmoeSparseMoeBlock",
+              dict(num_experts=5, num_experts_per_tok=3, intermediate_size=24)),
 }
 
 
@@ -99,8 +100,8 @@ def test_engine_with_the_grouped_kernel_matches_hf_generate(tmp_path, grouped_on
     moe_grouped.GROUPED_MOE_ON_CPU = True
     llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=16, max_num_batched_tokens=16)
     assert moe_grouped.install_grouped_moe(llm.runner.model) == 2
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=3, temperature=0.0),
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
 
 

@@ -112,7 +112,8 @@ def test_engine_on_the_triton_kernels_matches_hf_for_gemma2(tmp_path):
                 for p in prompts]
     previous = set_attention_backend("triton")
     try:
-        llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=32, max_num_batched_tokens=12)
+        llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=32,
+                  max_num_batched_tokens=12)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     finally:
@@ -143,9 +144,9 @@ import runner.paged_attention_triton as pat
 
 ALIGNED = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"]
 UNIT = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)
-types = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
-             seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", softcap_l2="fp32",
-             part_out_ptr="*fp32", part_lse_ptr="*fp32")
+types = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
+             block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32",
+             softcap_l2="fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32")
 # Every switch on at once: a window, soft-capping, and a head_dim (96, Phi-3-mini) padded to 128.
 for head_dim in (128,):
     variant = dict(SLIDING=True, SOFTCAP=True, PAD_D=True)
@@ -167,7 +168,7 @@ for head_dim in (128,):
 
 
 def test_window_softcap_and_padded_head_dim_kernels_compile_for_sm90_without_a_gpu():
-    """A kernel that only the interpreter accepts is caught without a GPU (as tests/test_paged_attention.py)."""
+    """A kernel only the interpreter accepts is caught without a GPU (as in tests/test_paged_attention.py)."""
     import os
     import pathlib
     import subprocess
