@@ -45,7 +45,7 @@ FAMILY_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
                  "attention_multiplier": 0.2}),
 }
 TINY_FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
-# The layer width a family keys its per-layer list on, when it is not `num_hidden_layers`-long `layer_types`.
+# Families whose config takes `head_dim` (the others derive it as hidden_size / num_attention_heads).
 _HAS_HEAD_DIM_FIELD = frozenset({"llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2",
                                  "gemma3_text", "granite"})
 
@@ -77,12 +77,14 @@ def family_config(family: str, *, vocab_size: int, hidden_size: int = 64, num_la
 
 def build_family_model(path: str | pathlib.Path, family: str, *, seed: int = 0,
                        dtype: torch.dtype = torch.float32, init_std: float | None = None,
-                       **config_kwargs: Any) -> pathlib.Path:
+                       device: str | torch.device = "cpu", **config_kwargs: Any) -> pathlib.Path:
     """Write a loadable directory (config, random weights, tokenizer) of `family`; returns its path.
 
     `init_std` widens the weights' normal init (transformers' default 0.02 makes every logit nearly
     equal, so greedy tokens of a tiny model would hinge on rounding). Weights are drawn in a forked
-    RNG seeded by `seed`: the same arguments give the same weights.
+    RNG seeded by `seed`: the same arguments give the same weights. `vocab_size` may be given to model a
+    real checkpoint's LM head (default: the tokenizer's size); `device` and `dtype` are where and in what
+    the weights are drawn (a 7B-shaped benchmark model is initialised on the GPU in bf16).
     """
     import transformers
 
@@ -96,11 +98,17 @@ def build_family_model(path: str | pathlib.Path, family: str, *, seed: int = 0,
     }
     if init_std is not None:
         config_kwargs["initializer_range"] = init_std
-    config = family_config(family, vocab_size=len(tokenizer), token_ids=token_ids, **config_kwargs)
+    vocab_size = config_kwargs.pop("vocab_size", len(tokenizer))
+    config = family_config(family, vocab_size=vocab_size, token_ids=token_ids, **config_kwargs)
     model_cls = getattr(transformers, FAMILY_SPECS[family][1])
-    with torch.random.fork_rng(devices=[]):
+    default_dtype = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        model = model_cls(config)
+        torch.set_default_dtype(dtype)
+        try:
+            model = model_cls(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
     model = model.to(dtype).eval()
     model.config.dtype = dtype
     model.generation_config = transformers.GenerationConfig(**token_ids)
