@@ -210,3 +210,30 @@ def test_untested_decoder_only_family_runs_with_a_one_time_warning(tmp_path):
 def test_family_config_rejects_unknown_family():
     with pytest.raises(ValueError, match="unknown family"):
         family_config("nope", vocab_size=10)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_fused_decoder_layers_cover_sliding_window_layers(family, family_dirs, monkeypatch):
+    """runner.fused_layers runs Mistral's and Qwen2's window-8 layers (the kernel under TRITON_INTERPRET=1)
+    and passes each layer's window to the paged attention: greedy tokens stay HF's."""
+    from runner import fused_layers, fused_linear
+
+    monkeypatch.setattr(fused_layers, "FUSED_LAYERS_ON_CPU", True)
+    monkeypatch.setattr(fused_linear, "SILU_MUL_ON_CPU", True)
+    calls = []
+    kernel = fused_layers.qkv_norm_rope_write
+    monkeypatch.setattr(fused_layers, "qkv_norm_rope_write", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    path = family_dirs[family]
+    ref = _hf(path)
+    ids, _ = _prompts(ref.config.vocab_size, ref.config.hidden_size, 1.0)
+    ids = ids[4:6]  # 17 and 23 tokens: both cross the window; a 32-token budget chunks the second
+    want = [_hf_greedy(ref, ids=p)[:4] for p in ids]
+    llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, max_num_batched_tokens=32)
+    fused_linear.fuse_linears(llm.runner.model)
+    assert fused_layers.fuse_decoder_layers(llm.runner.model) == 2
+    windows = [fused_layers.layer_sliding_window(layer.self_attn) for layer in llm.runner.model.model.layers]
+    assert windows == ([WINDOW, WINDOW] if family == "mistral" else [None, WINDOW])
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(max_tokens=4, temperature=0.0),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert len(calls) == 2 * llm.runner.num_forward_steps  # every layer of every step took the fused path
