@@ -222,7 +222,8 @@ def test_fused_decoder_layers_cover_sliding_window_layers(family, family_dirs, m
     monkeypatch.setattr(fused_linear, "SILU_MUL_ON_CPU", True)
     calls = []
     kernel = fused_layers.qkv_norm_rope_write
-    monkeypatch.setattr(fused_layers, "qkv_norm_rope_write", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(fused_layers, "qkv_norm_rope_write",
+                        lambda *a, **k: calls.append(1) or kernel(*a, **k))
     path = family_dirs[family]
     ref = _hf(path)
     ids, _ = _prompts(ref.config.vocab_size, ref.config.hidden_size, 1.0)
