@@ -238,3 +238,17 @@ def test_fused_decoder_layers_cover_sliding_window_layers(family, family_dirs, m
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert len(calls) == 2 * llm.runner.num_forward_steps  # every layer of every step took the fused path
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_prefix_caching_with_sliding_windows_keeps_hf_tokens(family, family_dirs):
+    """The cache keeps every key, so a cached prefix serves windowed layers as it serves full ones."""
+    ref = _hf(family_dirs[family])
+    ids, _ = _prompts(ref.config.vocab_size, ref.config.hidden_size, 1.0)
+    first, second = ids[7], ids[7][:28] + ids[3]  # 37 tokens, then 28 of them + 12 new
+    want = [_hf_greedy(ref, ids=p) for p in (first, second)]
+    llm = LLM(family_dirs[family], dtype="float32", device="cpu", block_size=4, num_kv_blocks=64,
+              max_num_batched_tokens=16, enable_prefix_caching=True)
+    assert _tokens(llm, [{"prompt_token_ids": first}]) == want[:1]
+    assert _tokens(llm, [{"prompt_token_ids": second}]) == want[1:]
+    assert llm.block_manager.num_hit_blocks == 7  # the 28 shared tokens
