@@ -71,6 +71,30 @@ def test_grouped_kernel_matches_hf_sparse_moe_block(family, num_tokens, grouped_
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_kernel_low_precision_branch_matches_hf(grouped_on_cpu):
+    """The non-fp32 branch (tensor-core dots, HF's rounding of the projections and of SiLU * up), in fp16:
+    the interpreter's bf16 dot is not exact, fp16's is. 70 tokens over 8 experts: 32-row blocks."""
+    config = transformers.Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         norm_topk_prob=True)
+    config._experts_implementation = "eager"
+    module = importlib.import_module("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    block = module.Qwen3MoeSparseMoeBlock(config).eval()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    block = block.half()
+    x = torch.randn(1, 70, 64, generator=g).half()
+    moe_grouped.GROUPED_MOE_ON_CPU = False
+    with torch.no_grad():
+        want = _out(block(x)).float()
+        moe_grouped.install_grouped_moe(block)
+        moe_grouped.GROUPED_MOE_ON_CPU = True
+        got = _out(block(x)).float()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3)
+
+
 def test_sort_pairs_by_expert_groups_and_pads_every_pair_once():
     top_k = torch.tensor([[3, 0], [0, 2], [3, 2], [0, 3], [1, 0]])
     block_m = 4

@@ -185,3 +185,15 @@ def test_window_softcap_and_padded_head_dim_kernels_compile_for_sm90_without_a_g
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(" ok") == 2, result.stdout
+
+
+def test_triton_half_precision_branch_with_window_and_softcap():
+    batch = make_batch(CASES["mixed"], block_size=4)
+    out = paged_attention_triton(
+        batch.query.half(), batch.key_cache.half(), batch.value_cache.half(), batch.meta, batch.scale,
+        torch.full_like(batch.query, float("nan")).half(), sliding_window=7, softcap=2.0,
+        decode_config=DecodeConfig(tile_n=16, num_warps=4, num_stages=1, num_splits=2),
+        prefill_config=TINY_PREFILL,
+    )  # fmt: skip
+    n = batch.meta.query_start_loc_cpu[-1]
+    torch.testing.assert_close(out[:n].double(), dense_reference(batch, 7, 2.0)[:n], rtol=2e-2, atol=2e-2)
