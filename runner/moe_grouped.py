@@ -160,9 +160,8 @@ def grouped_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     num_experts, two_inter, _ = gate_up_proj.shape
     inter_dim = two_inter // 2
     num_pairs = num_tokens * top_k
-    out = torch.zeros_like(hidden)
     if num_tokens == 0:
-        return out
+        return torch.zeros_like(hidden)
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     w1 = gate_up_proj if gate_up_proj.stride(2) == 1 else gate_up_proj.contiguous()
     w2 = down_proj if down_proj.stride(2) == 1 else down_proj.contiguous()
