@@ -325,9 +325,9 @@ def test_bad_inputs_raise_value_error():
         paged_attention(batch.query[:, :3], batch.key_cache, batch.value_cache, batch.meta, 1.0)
     with pytest.raises(ValueError, match="dtype|is torch"):
         paged_attention(batch.query.double(), batch.key_cache, batch.value_cache, batch.meta, 1.0)
-    odd_cache = torch.zeros(2, 16, 2, 24)
+    odd_cache = torch.zeros(2, 12, 2, 16)  # a head_dim of 24 is padded; a block_size of 12 is refused
     with pytest.raises(ValueError, match="power of two"):
-        paged_attention(torch.zeros(2, 4, 24), odd_cache, odd_cache, batch.meta, 1.0, backend="triton")
+        paged_attention(torch.zeros(2, 4, 16), odd_cache, odd_cache, batch.meta, 1.0, backend="triton")
     with pytest.raises(ValueError, match="backend"):
         paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, 1.0, backend="cuda")
     with pytest.raises(ValueError, match="slot_mapping"):

@@ -158,6 +158,17 @@ def qkv_norm_rope_write(
 
 # ------------------------------------------------------------------------------------------- layer
 
+def layer_sliding_window(attn: torch.nn.Module) -> int | None:
+    """The window HF's forward of this attention module passes to the attention function, or None.
+
+    Qwen2/Qwen3 keep it per layer (`attn.sliding_window`, None on full-attention layers); Mistral passes
+    `config.sliding_window` on every layer.
+    """
+    if type(attn).__name__ == "MistralAttention":
+        return getattr(attn.config, "sliding_window", None)
+    return getattr(attn, "sliding_window", None)
+
+
 def _is_plain_norm(module) -> bool:
     return type(module).__name__ in FUSABLE_RMSNORM_CLASSES and hasattr(module, "variance_epsilon")
 
@@ -179,10 +190,6 @@ def _layer_fusable(layer: torch.nn.Module) -> bool:
             return False
         if qk_norms[0].variance_epsilon != qk_norms[1].variance_epsilon:
             return False  # the kernel normalises q and k heads with one eps
-    if getattr(attn, "sliding_window", None) is not None:
-        return False
-    if type(layer).__name__ == "MistralDecoderLayer" and getattr(attn.config, "sliding_window", None):
-        return False  # Mistral passes the config's window to attention on every layer
     linears = (attn.o_proj, mlp.down_proj)
     head_dim = getattr(attn, "head_dim", None)
     return (all(type(m) is torch.nn.Linear for m in linears) and head_dim is not None
@@ -230,7 +237,8 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
         qkv, attn.bridge_qkv_sizes[0] // head_dim, attn.bridge_qkv_sizes[1] // head_dim, cos[0], sin[0],
         key_cache, value_cache, meta.slot_mapping, qk_norm,
     )
-    o = paged_attention(q, key_cache, value_cache, meta, attn.scaling, backend=get_attention_backend())
+    o = paged_attention(q, key_cache, value_cache, meta, attn.scaling, backend=get_attention_backend(),
+                        sliding_window=layer_sliding_window(attn))
     x = _linear_plus_residual(x, o.view(t, -1), attn.o_proj)
 
     norm = layer.post_attention_layernorm

@@ -46,15 +46,20 @@ def bridge_paged_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """q `(1, Hq, T, D)`, k/v `(1, Hkv, T, D)` -> attention output `(1, T, Hq, D)` as HF expects.
 
     Writes this step's K/V into the layer's cache at `slot_mapping`, then attends over the
     whole cached context of each request (earlier chunks, earlier steps and this step).
+    `sliding_window` and `softcap` are the layer's own (HF passes None on full-attention layers): the
+    window hides keys more than W-1 positions back, the cap bounds the logits; the cache keeps every key.
+    Attention sinks (`s_aux`) have no equivalent here: `runner.worker.model_states` refuses such a model at
+    `LLM(...)`, so reaching this with them is a bug, reported as such.
     """
-    if sliding_window is not None:
-        raise NotImplementedError("bridge_paged attention does not support sliding-window layers")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("bridge_paged attention does not support attention sinks (s_aux)")
     ctx = get_forward_context()
     meta = ctx.attn_metadata
     key_cache, value_cache = ctx.kv_caches[module.layer_idx]
@@ -64,7 +69,8 @@ def bridge_paged_attention(
     write_kv(k, v, key_cache, value_cache, meta.slot_mapping, backend=_backend)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = paged_attention(q, key_cache, value_cache, meta, scaling, backend=_backend)
+    out = paged_attention(q, key_cache, value_cache, meta, scaling, backend=_backend,
+                          sliding_window=sliding_window, softcap=softcap)
     return out.unsqueeze(0), None
 
 

@@ -14,6 +14,12 @@ Two backends compute the same thing:
   are tested against. It loops over requests on the host (it reads `query_start_loc_cpu` /
   `seq_lens_cpu` when the runner filled them, else copies the device tensors once per call).
 
+Per-layer variants, both backends (passed by the layer, as Hugging Face passes them to its attention
+functions): `sliding_window=W` lets the query at position p see keys p-W+1..p, W keys counting its
+own, as transformers' masks (`kv_idx > q_idx - W`) and flash-attention (`window_size=(W-1, .)`) do;
+the cache keeps every key, only the visible range changes. `softcap=c` caps every logit as
+`c * tanh(logit / c)` after the scale and before the mask (Gemma 2's attention soft-capping).
+
 The KV write (`write_kv`) on CUDA is a one-program-per-token Triton kernel that returns early for slot -1:
 no host sync, no dummy slot reserved in the cache, capturable. On CPU it is an `index_put_` of the rows
 whose slot is >= 0 (a boolean selection, which syncs; harmless on the CPU).
@@ -98,6 +104,8 @@ def paged_attention(
     backend: Backend = "auto",
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache -> (num_tokens, num_q_heads, head_dim).
 
@@ -107,6 +115,7 @@ def paged_attention(
     Rows outside every request (trailing padding) are left as they were in `out` (unspecified when `out`
     is None); a request with seq_len 0 and one row (padded decode batch) gets zeros.
     `decode_config` / `prefill_config` override the Triton launch parameters (ignored by the torch path).
+    `sliding_window` / `softcap`: see the module docstring (None: full causal attention, no cap).
     """
     _check_cache(key_cache, value_cache)
     if query.dim() != 3:
@@ -119,6 +128,10 @@ def paged_attention(
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if query.dtype != key_cache.dtype:
         raise ValueError(f"query is {query.dtype} but the KV cache is {key_cache.dtype}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     elif out.shape != query.shape:
@@ -129,8 +142,10 @@ def paged_attention(
         return paged_attention_triton(
             query, key_cache, value_cache, meta, scale, out,
             decode_config=decode_config, prefill_config=prefill_config,
+            sliding_window=sliding_window, softcap=softcap,
         )  # fmt: skip
-    return paged_attention_torch(query, key_cache, value_cache, meta, scale, out)
+    return paged_attention_torch(query, key_cache, value_cache, meta, scale, out,
+                                 sliding_window=sliding_window, softcap=softcap)
 
 
 def paged_attention_torch(
@@ -140,6 +155,9 @@ def paged_attention_torch(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference path: per request, gather K/V from the block table and attend in fp32. Writes `out`."""
     num_reqs = meta.num_reqs
@@ -163,9 +181,14 @@ def paged_attention_torch(
         v = value_cache[blocks].flatten(0, 1)[:seq_len].float()
         q = query[q_start:q_end].float().reshape(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_len, num_kv_heads * group, head_dim)
         out[q_start:q_end] = o.to(out.dtype)

@@ -188,6 +188,9 @@ def _attend_tile(
     q_pos,
     kv_head,
     qk_scale,
+    window,
+    softcap_l2,
+    head_dim,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -202,11 +205,19 @@ def _attend_tile(
     MASK_KV: tl.constexpr,
     CAUSAL: tl.constexpr,
     IS_FP32: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PAD_D: tl.constexpr,
 ):
     """One key tile [start, start + TILE_N) against the query rows `q` (BLOCK_M, HEAD_DIM).
 
     MASK_KV: keys at or past `kv_limit` are masked (the tail tile). CAUSAL: key j is visible to row r
-    only when j <= q_pos[r]. Neither is needed for tiles wholly inside every row's visible range.
+    only when j <= q_pos[r]. WINDOW: key j is visible to row r only when j > q_pos[r] - window (the lower
+    edge of a sliding window); a row may then see no key of the tile, so the running max is guarded.
+    None of the three is needed for tiles wholly inside every row's visible range. SOFTCAP: logits
+    (already in base 2) become `softcap_l2 * tanh(s / softcap_l2)`, i.e. `c * tanh(x / c)` in natural
+    units with `softcap_l2 = c * log2(e)`. PAD_D: HEAD_DIM is `head_dim` rounded up to a power of two and
+    the lanes past `head_dim` load as zeros (they add nothing to q.k and are never stored).
     """
     offs_n = start + tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -231,7 +242,12 @@ def _attend_tile(
         + offs_d[None, :] * stride_vd
     )
     if MASK_KV:
-        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+        if PAD_D:
+            k = tl.load(k_ptrs, mask=n_mask[None, :] & (offs_d[:, None] < head_dim), other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)
+    elif PAD_D:
+        k = tl.load(k_ptrs, mask=offs_d[:, None] < head_dim, other=0.0)
     else:
         k = tl.load(k_ptrs)
     if IS_FP32:
@@ -239,16 +255,32 @@ def _attend_tile(
     else:
         s = tl.dot(q, k)
     s = s * qk_scale
+    if SOFTCAP:
+        # tanh(t) = 1 - 2 / (exp(2t) + 1): exact at both ends in fp32 (exp overflows to inf -> 1).
+        s = softcap_l2 * (1.0 - 2.0 / (tl.exp(2.0 * (s / softcap_l2)) + 1.0))
     if MASK_KV:
         s = tl.where(n_mask[None, :], s, float("-inf"))
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+    if WINDOW:
+        s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if WINDOW:
+        # A row with no visible key so far keeps m = -inf; exp2(-inf - -inf) would be NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASK_KV:
-        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+        if PAD_D:
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+    elif PAD_D:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
     else:
         v = tl.load(v_ptrs)
     acc = acc * alpha[:, None]
@@ -276,6 +308,9 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
+    window,
+    softcap_l2,
+    head_dim,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -299,6 +334,9 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,
     TILE_N: tl.constexpr,
     IS_FP32: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PAD_D: tl.constexpr,
 ):
     # KV heads fastest: the programs of one request run together and read whole (token, all heads) rows.
     kv_head = tl.program_id(0)
@@ -316,19 +354,25 @@ def _decode_kernel(
     g_mask = offs_g < num_q_per_kv
     heads = kv_head * num_q_per_kv + offs_g
     row = q_start.to(tl.int64)
+    d_mask = offs_d < head_dim  # all true unless HEAD_DIM pads head_dim to a power of two
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_mask[:, None],
+        mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
 
+    # The one query sits at seq_len - 1; a sliding window of W shows it keys [seq_len - W, seq_len),
+    # so the key range itself starts there and no tile needs a window mask.
+    first = 0
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = first
         hi = seq_len
     else:
-        # Whole tiles per split so every split but the last starts on a tile boundary.
-        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
-        lo = split * chunk
+        # Whole tiles per split so every split but the last starts on a tile boundary (from `first`).
+        chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), TILE_N) * TILE_N
+        lo = first + split * chunk
         hi = tl.minimum(lo + chunk, seq_len)
     full_hi = lo + tl.maximum(hi - lo, 0) // TILE_N * TILE_N
 
@@ -340,14 +384,16 @@ def _decode_kernel(
     for start in range(lo, full_hi, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, hi, q_pos, kv_head, qk_scale,
+            window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
     if full_hi < hi:
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, full_hi, hi, q_pos, kv_head, qk_scale,
+            window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, True, False, IS_FP32,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, True, False, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
 
     has_keys = l_i > 0.0
@@ -356,7 +402,7 @@ def _decode_kernel(
         tl.store(
             out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
             o.to(out_ptr.dtype.element_ty),
-            mask=g_mask[:, None],
+            mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
         part = (req.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
@@ -375,6 +421,7 @@ def _decode_reduce_kernel(
     stride_oh,
     stride_od,
     num_q_heads,
+    head_dim,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -401,6 +448,7 @@ def _decode_reduce_kernel(
     tl.store(
         out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od,
         res.to(out_ptr.dtype.element_ty),
+        mask=offs_d < head_dim,
     )
 
 
@@ -419,6 +467,9 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     qk_scale,
+    window,
+    softcap_l2,
+    head_dim,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -444,6 +495,9 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     IS_FP32: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    PAD_D: tl.constexpr,
 ):
     # Flat grid over query blocks: request b owns programs [qsl[b]//BLOCK_Q + b, qsl[b+1]//BLOCK_Q + b + 1),
     # at least ceil(q_len / BLOCK_Q) of them, so the grid (num_tokens // BLOCK_Q + num_reqs) needs no
@@ -477,40 +531,59 @@ def _prefill_kernel(
     row_mask = (q_idx < q_len) & (g < num_q_per_kv)
     heads = kv_head * num_q_per_kv + g
     rows = (q_start + q_idx).to(tl.int64)
+    io_mask = row_mask[:, None] & (offs_d[None, :] < head_dim)
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=row_mask[:, None],
+        mask=io_mask,
         other=0.0,
     )
     q_pos = context_len + q_idx
 
     first_pos = context_len + q_block * BLOCK_Q
     kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
-    # Keys [0, full_end) are visible to every row of this block: no mask there.
-    full_end = (first_pos + 1) // TILE_N * TILE_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for start in range(0, full_end, TILE_N):
+    lo = 0
+    if SLIDING:
+        # Keys below `lo` are outside every row's window. Keys in [lo, win_full) are inside the window of
+        # some rows only (the lower edge, masked per row); keys >= win_full = last row - W + 1 are inside
+        # every row's window, so the tiles from there on are the full-attention tiles.
+        lo = tl.maximum(first_pos - window + 1, 0)
+        win_full = tl.maximum(kv_end - window, lo)
+        edge_end = lo + tl.cdiv(win_full - lo, TILE_N) * TILE_N
+        for start in range(lo, edge_end, TILE_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head,
+                qk_scale, window, softcap_l2, head_dim,
+                stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, True, SOFTCAP, PAD_D,
+            )  # fmt: skip
+        lo = edge_end
+    # Keys [lo, full_end) are visible to every row of this block: no mask there.
+    full_end = lo + tl.maximum(first_pos + 1 - lo, 0) // TILE_N * TILE_N
+    for start in range(lo, full_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
+            window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
     for start in range(full_end, kv_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
+            window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-            BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32,
+            BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
         o.to(out_ptr.dtype.element_ty),
-        mask=row_mask[:, None],
+        mask=io_mask,
     )
 
 
@@ -589,9 +662,14 @@ def _default_decode_config(dtype: torch.dtype) -> DecodeConfig:
     return DecodeConfig()
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels' HEAD_DIM: head_dim rounded up to a power of two (>= 16, `tl.dot`'s smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def validate_triton_shapes(head_dim: int, block_size: int) -> None:
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"Triton paged attention needs head_dim a power of two in [16, 256], got {head_dim}")
+    if head_dim < 1 or head_dim > 256:
+        raise ValueError(f"Triton paged attention needs head_dim in [1, 256], got {head_dim}")
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"Triton paged attention needs block_size a power of two, got {block_size}")
 
@@ -606,12 +684,17 @@ def paged_attention_triton(
     *,
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Run the decode and/or prefill kernels into `out` (num_tokens, num_q_heads, head_dim); returns `out`.
 
     Which kernels launch: `meta.is_decode_only` or `max_query_len <= 1` -> decode only (the CUDA-graph
     path: no host data read beyond `meta.num_reqs`). Otherwise the prefill kernel, plus the decode kernel
     unless the host copy `meta.query_start_loc_cpu` shows no single-row request.
+    `sliding_window` (keys p-W+1..p visible) and `softcap` (`c * tanh(logit / c)`) as in
+    `runner.layers.paged_attention.paged_attention`; each is a compile-time switch, so layers without them run
+    the kernels unchanged.
     """
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -623,7 +706,13 @@ def paged_attention_triton(
         return out
     group = num_q_heads // num_kv_heads
     qk_scale = float(scale) * LOG2E
+    sliding = sliding_window is not None
+    window = int(sliding_window) if sliding else 0
+    has_softcap = softcap is not None
+    softcap_l2 = float(softcap) * LOG2E if has_softcap else 1.0
     is_fp32 = query.dtype == torch.float32
+    d_pad = padded_head_dim(head_dim)  # e.g. Phi-3-mini's 96 runs as 128 with masked lanes
+    pad_d = d_pad != head_dim
     common_strides = (
         *query.stride(),
         *key_cache.stride(),
@@ -644,21 +733,22 @@ def paged_attention_triton(
         block_g = max(16, triton.next_power_of_2(group))
         if splits > 1:
             part_out = torch.empty(
-                (num_reqs, num_q_heads, splits, head_dim), dtype=torch.float32, device=query.device
+                (num_reqs, num_q_heads, splits, d_pad), dtype=torch.float32, device=query.device
             )
             part_lse = torch.empty((num_reqs, num_q_heads, splits), dtype=torch.float32, device=query.device)
         else:
             part_out = part_lse = out  # unused
         _decode_kernel[(num_kv_heads, num_reqs, splits)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            out, part_out, part_lse, qk_scale, *common_strides, num_q_heads, group,
-            NUM_SPLITS=splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_G=block_g,
-            TILE_N=cfg.tile_n, IS_FP32=is_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            out, part_out, part_lse, qk_scale, window, softcap_l2, head_dim, *common_strides, num_q_heads,
+            group, NUM_SPLITS=splits, BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_G=block_g,
+            TILE_N=cfg.tile_n, IS_FP32=is_fp32, SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
             _decode_reduce_kernel[(num_reqs, num_q_heads)](
-                part_out, part_lse, meta.query_start_loc, out, *out.stride(), num_q_heads,
-                NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                part_out, part_lse, meta.query_start_loc, out, *out.stride(), num_q_heads, head_dim,
+                NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=d_pad,
                 num_warps=1 if head_dim <= 64 else 2,
             )  # fmt: skip
 
@@ -670,9 +760,10 @@ def paged_attention_triton(
         num_q_blocks = query.shape[0] // block_q + num_reqs
         _prefill_kernel[(num_q_blocks, num_kv_heads)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-            qk_scale, *common_strides, group, num_reqs,
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,
+            qk_scale, window, softcap_l2, head_dim, *common_strides, group, num_reqs,
+            BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,
             TILE_N=cfg.tile_n, SEARCH_BLOCK=min(1024, triton.next_power_of_2(num_reqs)), IS_FP32=is_fp32,
+            SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out

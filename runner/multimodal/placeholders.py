@@ -27,7 +27,7 @@ import torch
 
 from runner.multimodal.encoder_cache import MultiModalFeature, PlaceholderRange, make_feature, sort_features
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
-from runner.worker.model_states import MRopeItem
+from runner.multimodal.mrope import MRopeItem
 
 DEFAULT_PLACEHOLDERS = {"image": "<image>", "audio": "<audio>", "graph": "<graph>",
                         PROMPT_EMBEDS_MODALITY: "<embeds>"}

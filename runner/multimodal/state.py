@@ -33,7 +33,7 @@ from runner.multimodal.encoder_cache import (
     sort_features,
 )
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol, check_encoders
-from runner.worker.model_states import compute_mrope_positions, mrope_positions_window
+from runner.multimodal.mrope import compute_mrope_positions, mrope_positions_window
 
 
 class MultimodalState:

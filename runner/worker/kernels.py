@@ -15,6 +15,7 @@ import torch
 from runner.layers.fused_layers import fuse_decoder_layers
 from runner.layers.fused_linear import fuse_linears
 from runner.layers.fused_ops import fuse_rmsnorms, fuse_rotary
+from runner.layers.moe_grouped import install_grouped_moe
 
 
 @dataclass
@@ -25,16 +26,19 @@ class InstalledKernels:
     fused_rotary: bool = False
     num_fused_linears: tuple[int, int] = (0, 0)
     num_fused_layers: int = 0
+    num_grouped_moe: int = 0
 
 
 def install_kernels(model: torch.nn.Module, *, fused_ops: bool, fused_linear: bool,
                     fused_layers: bool) -> InstalledKernels:
     """Patch `model` in place: one-kernel RMSNorm and rotary (`runner.layers.fused_ops`), one q/k/v
     GEMM and one gate/up GEMM + SiLU*mul (`runner.layers.fused_linear`), whole decoder layers on
-    fused kernels (`runner.layers.fused_layers`)."""
+    fused kernels (`runner.layers.fused_layers`), and mixture-of-experts blocks on one grouped GEMM
+    pair (`runner.layers.moe_grouped`)."""
     installed = InstalledKernels()
     if not fused_ops:
         return installed
+    installed.num_grouped_moe = install_grouped_moe(model)
     installed.num_fused_norms = fuse_rmsnorms(model)
     installed.fused_rotary = fuse_rotary(model)
     if fused_linear:

@@ -30,6 +30,7 @@ from runner.engine.request import Request
 from runner.engine.step_io import SchedulerOutput, StepResult
 from runner.layers.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
 from runner.layers.hf_attention import ATTN_IMPLEMENTATION, register_bridge_attention
+from runner.layers.logits_head import wrap_lm_head
 from runner.layers.sampler import Sampler
 from runner.multimodal.state import MultimodalState
 from runner.worker.cuda_graphs import DecodeGraphs, cuda_graph_batch_sizes
@@ -79,7 +80,7 @@ class ModelRunner:
                                        fused_linear=config.fused_linear, fused_layers=config.fused_layers)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.embed_tokens = model.get_input_embeddings()
-        self.lm_head = model.get_output_embeddings()
+        self.lm_head = wrap_lm_head(model.get_output_embeddings(), hf_config)  # + final logit scaling/capping
         self.hidden_size = text_config(hf_config).hidden_size
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.kv_spec = KVCacheSpec.from_config(hf_config, dtype, config.block_size)
@@ -126,6 +127,10 @@ class ModelRunner:
     @property
     def num_fused_layers(self) -> int:
         return self.kernels.num_fused_layers
+
+    @property
+    def num_grouped_moe(self) -> int:
+        return self.kernels.num_grouped_moe
 
     @property
     def graphs(self) -> dict:
