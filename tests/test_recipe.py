@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _minimal(**extra) -> dict:
     raw = {
         "model": {"tiny": {"hidden_size": 32}},
-        "encoder": {"tower": {"name": "gin"}},
-        "data": {"source": "graphs"},
+        "encoder": {"tower": {"name": "gin"}, "projector": {"name": "linear"}},
+        "data": {"source": "graphs", "prompt": "<graph>"},
     }
     raw.update(extra)
     return raw
