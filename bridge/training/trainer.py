@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -186,6 +185,8 @@ class Trainer:
         )
         self.step = 0
         self.resumed_from: Path | None = None
+        #: "key: old -> new" lines against the resumed checkpoint's recipe (see check_resume)
+        self.setting_changes: list[str] = []
         if tr.resume:
             last = ckpt_io.latest_checkpoint(self.output_dir)
             if last is not None:
@@ -297,6 +298,8 @@ class Trainer:
                 f"({last}); nothing to train. Raise train.max_steps to train further, or pass a new "
                 f"--output-dir for a fresh run."
             )
+            if self.setting_changes:
+                _say("settings changed since that checkpoint:\n  " + "\n  ".join(self.setting_changes))
         summary: dict[str, Any] = {
             "already_complete": True,
             "steps": self.step,
@@ -327,6 +330,8 @@ class Trainer:
             return self._already_complete(metrics_path, t0)
         if self.dist.is_main and self.resumed_from is not None:
             _say(f"resumed from step {self.step} ({self.resumed_from})")
+            if self.setting_changes:
+                _say("settings changed since that checkpoint:\n  " + "\n  ".join(self.setting_changes))
         bar = None
         if self.dist.is_main and tr.progress:
             bar = tqdm(total=tr.max_steps, initial=self.step, desc=f"train {self.recipe.name}", unit="step")
@@ -509,10 +514,9 @@ def train(recipe: Node, output_dir: str | Path | None = None, force: bool = Fals
     t0 = time.perf_counter()
     out = Path(output_dir) if output_dir else default_output_dir(recipe)
     changes = check_resume(recipe, out, force=force)
-    if changes and int(os.environ.get("RANK", "0")) == 0:
-        _say("resuming with settings that differ from the checkpoint's recipe:\n  " + "\n  ".join(changes))
     with _quiet_hf_progress():
         trainer = Trainer(recipe, out)
+        trainer.setting_changes = changes
         try:
             summary = trainer.run()
         finally:
