@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from bridge.data.example import PLACEHOLDERS, Example
 from bridge.data.prompt_embeds import scatter_rows
@@ -41,8 +42,6 @@ _TEXT_KEYS = ("prompt", "text")
 def load_input_embeddings(model_dir: str | Path) -> torch.Tensor:
     """The token-embedding matrix of a local HF model dir, read from its safetensors alone (the
     runner holds the model; loading the whole thing again just for this would double memory)."""
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
