@@ -196,8 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err(f"bridge: error: {str(exc)[:2000]}")
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(_report(summary), indent=2, allow_nan=False))
-        _err(_final_line(summary))
+        _err(_final_line(summary))  # before the JSON, so the JSON ends a merged stdout + stderr
+        print(json.dumps(_report(summary), indent=2, allow_nan=False), flush=True)
     return 0
 
 

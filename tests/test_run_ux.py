@@ -47,7 +47,7 @@ def test_run_summary_rerun_resume_and_changed_settings(tmp_path, capsys):
     assert summary["eval_json"] == str(out / "eval.json") and summary["loss_png"] == str(out / "loss.png")
     assert summary["checkpoint"] == str(out / "checkpoints" / "step_4") and summary["elapsed_s"] > 0
     assert "Writing model shards" not in captured.err and "Loading weights" not in captured.err
-    assert f"last checkpoint: {out / 'checkpoints' / 'step_4'}" in captured.err.splitlines()[-1]
+    assert f"last checkpoint: {out / 'checkpoints' / 'step_4'}" in captured.err.strip().splitlines()[-1]
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
