@@ -2,14 +2,18 @@
 
     from bridge import Bridge
     b = Bridge.from_checkpoint("runs/shapes/checkpoints/step_300")
-    outs = b.generate([{"text": "<image>", "image": pil_image}], max_tokens=8)
+    outs = b.generate([{"prompt": "<image>", "image": pil_image}], max_tokens=8)
     outs[0].outputs[0].text
+
+A prompt dict names its text "prompt", as the runner's prompt dicts do ("text" is accepted as an
+alias). The inference API never imports the training package at import time: reading a
+checkpoint's metadata and building a recipe's parts import their modules when called.
 
 `generate` runs each encoder in-process on its device, then builds one `(n, hidden)` prompt
 embeddings tensor per prompt: the LLM's token embeddings at text positions and the encoder rows
 at placeholder positions, with `prompt_is_token_ids` (True at text positions) and
 `prompt_token_ids`. Those device tensors go straight to `runner.LLM.generate` as
-`prompt_embeds`: no serialization, no host round trip (docs/ARCHITECTURE.md, "Data flow").
+`prompt_embeds`: no serialization, no host round trip (docs/ARCHITECTURE.md, "Bridge (the hall)").
 """
 
 from __future__ import annotations
@@ -20,20 +24,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from bridge.data.example import PLACEHOLDERS, Example
 from bridge.data.prompt_embeds import scatter_rows
+from bridge.data.sources import build_datasets
 from bridge.data.tokenize import TokenizedPrompt, tokenize_prompt
-from bridge.training.components import DTYPES
+from bridge.dtypes import DTYPES
+from bridge.recipe import default_output_dir, load_recipe
+from encoders.api import load_encoder
 
 _MEDIA_KEYS = tuple(PLACEHOLDERS.values())
+#: the prompt text's key (the runner's name) and its accepted alias
+_TEXT_KEYS = ("prompt", "text")
 
 
 def load_input_embeddings(model_dir: str | Path) -> torch.Tensor:
     """The token-embedding matrix of a local HF model dir, read from its safetensors alone (the
     runner holds the model; loading the whole thing again just for this would double memory)."""
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -59,24 +67,34 @@ def _as_example(prompt: Any) -> Example:
         return prompt
     if isinstance(prompt, str):
         return Example(prompt, "", {})
-    if not isinstance(prompt, Mapping) or not isinstance(prompt.get("text"), str):
+    if not isinstance(prompt, Mapping):
         raise ValueError(
-            "each prompt is a string or a dict with a 'text' string (and media under "
-            "'image' / 'audio' / 'graph')"
+            f"each prompt is a string or a dict with a 'prompt' string (and media under "
+            f"'image' / 'audio' / 'graph'), got {type(prompt).__name__}"
         )
-    unknown = sorted(set(prompt) - {"text", *_MEDIA_KEYS})
+    given = [k for k in _TEXT_KEYS if k in prompt]
+    if len(given) != 1 or not isinstance(prompt[given[0]], str):
+        raise ValueError(
+            "each prompt dict needs one 'prompt' string ('text' is accepted as an alias, not both), "
+            "with media under 'image' / 'audio' / 'graph'"
+        )
+    unknown = sorted(str(k)[:40] for k in set(prompt) - {*_TEXT_KEYS, *_MEDIA_KEYS})
     if unknown:
-        raise ValueError(f"unknown prompt keys {unknown}; valid: text, {', '.join(_MEDIA_KEYS)}")
+        raise ValueError(
+            f"unknown prompt keys {unknown[:10]}; valid: prompt (or text), {', '.join(_MEDIA_KEYS)}"
+        )
     media = {}
     for mod in _MEDIA_KEYS:
         if prompt.get(mod) is not None:
             value = prompt[mod]
             media[mod] = list(value) if isinstance(value, (list, tuple)) else [value]
-    return Example(prompt["text"], "", media)
+    return Example(prompt[given[0]], "", media)
 
 
 class Bridge:
-    """Encoders (one per modality) + a runner.LLM over a local HF model directory."""
+    """Encoders (one per modality) + a runner.LLM over a local HF model directory.
+
+    `hidden_size` is the LLM's embedding width: the width of every row of `prompt_embeds`."""
 
     def __init__(
         self,
@@ -102,6 +120,8 @@ class Bridge:
         self.encoders = {m: enc.to(self.device).eval() for m, enc in encoders.items()}
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.llm_dir))
         self._embed_table = load_input_embeddings(self.llm_dir).to(self.device, DTYPES[dtype])
+        #: the LLM's hidden size (the width of prompt-embeds rows)
+        self.hidden_size: int = int(self._embed_table.shape[1])
         self._engine = None
 
     # ------------------------------------------------------------------ constructors
@@ -109,9 +129,13 @@ class Bridge:
     def from_checkpoint(
         cls, directory: str | Path, device: str | torch.device | None = None, enforce_eager: bool = False
     ) -> Bridge:
-        """A trained checkpoint (OUTPUT/checkpoints/step_N, or OUTPUT itself for its newest)."""
+        """A trained checkpoint (OUTPUT/checkpoints/step_N, or OUTPUT itself for its newest).
+
+        Custom parts the run used (its recipe's `imports`) are imported again from the paths the
+        checkpoint recorded."""
+        # the checkpoint layout belongs to the trainer; imported here, not at module top, so that
+        # `import bridge.api` does not load the training package
         from bridge.training import checkpoint as ckpt_io
-        from encoders.api import load_encoder
 
         directory = Path(directory)
         if not (directory / "meta.json").is_file():
@@ -138,12 +162,12 @@ class Bridge:
         output_dir: str | Path | None = None,
         device: str | torch.device | None = None,
     ) -> Bridge:
-        """The recipe's LLM and a freshly initialised (untrained) encoder: for trying the plumbing
-        before training. A tiny model is built into OUTPUT/base_model as `bridge train` would."""
-        from bridge.data.sources import build_datasets
-        from bridge.recipe import load_recipe
+        """The recipe's LLM and a freshly initialised, untrained encoder (random projector weights,
+        so generations are noise until trained): for trying the plumbing before training. A tiny
+        model is built into OUTPUT/base_model as `bridge train` would."""
+        # the recipe's parts are built by the training package's builders (shared with the
+        # trainer); imported when called so that `import bridge.api` does not load training
         from bridge.training.components import build_recipe_encoder, dataset_vocab_words, prepare_llm_dir
-        from bridge.training.trainer import default_output_dir
 
         recipe = load_recipe(path, overrides)
         out = Path(output_dir) if output_dir else default_output_dir(recipe)
@@ -234,7 +258,7 @@ class Bridge:
         sampling_params=None,
         **sampling_kwargs,
     ):
-        """Generate for prompt dicts {"text": "... <image> ...", "image": item_or_list, ...}; returns
+        """Generate for prompt dicts {"prompt": "... <image> ...", "image": item_or_list, ...}; returns
         the runner's RequestOutputs (`.outputs[0].text`, `.outputs[0].token_ids`)."""
         from runner.sampling_params import SamplingParams
 

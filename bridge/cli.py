@@ -1,45 +1,70 @@
 """`bridge` console script.
 
-    bridge train RECIPE [--output-dir DIR] [--nproc N] [key.sub=value ...]
-    bridge demo {shapes,tones,graphs} [--output-dir DIR] [key.sub=value ...]
-    bridge defaults                      # every recipe key with its default and meaning
+    bridge train RECIPE [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
+    bridge demo {shapes,tones,graphs} [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
+    bridge defaults [RECIPE]             # every recipe key with its default, and the registered parts
 
 `--nproc N` (N > 1) re-launches the same command under torchrun with N processes (DDP, or FSDP2
 when the LLM is unfrozen: `train.distributed`);
 `torchrun --nproc_per_node N -m bridge train RECIPE` does the same by hand.
+
+Exit codes: 0 done; 1 the run failed on bad input (one line, no traceback; BRIDGE_TRACEBACK=1
+shows it); 2 the command line, the recipe or a resume was refused before anything was written;
+130 interrupted (Ctrl-C). stdout carries the JSON summary only; status lines go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from bridge.recipe import RecipeError, default_output_dir, describe_schema, load_recipe
+from encoders.api import PREPROCESSORS, PROJECTORS, TOWERS
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "recipes" / "demo"
 DEMOS = ("shapes", "tones", "graphs")
+OVERRIDES_HELP = (
+    "recipe overrides key.sub=value (optional, any number, anywhere on the line; the value is read "
+    "as YAML; relative paths resolve against the current directory)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bridge", description="Train encoders into LLMs from recipes.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a recipe YAML")
+    common = "[--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]"
+    train = sub.add_parser(
+        "train", help="train a recipe YAML", usage=f"bridge train RECIPE {common}", epilog=OVERRIDES_HELP
+    )
     train.add_argument("recipe", help="path to a recipe YAML")
-    demo = sub.add_parser("demo", help="train a built-in demo recipe (no download needed)")
+    demo = sub.add_parser(
+        "demo",
+        help="train a built-in demo recipe (no download needed)",
+        usage=f"bridge demo {{{','.join(DEMOS)}}} {common}",
+        epilog=OVERRIDES_HELP,
+    )
     demo.add_argument("name", choices=DEMOS)
     for p in (train, demo):
         p.add_argument("--output-dir", default=None, help="where outputs go (default: runs/<recipe name>)")
         p.add_argument("--nproc", type=int, default=1, help="processes (ranks) to train with via torchrun")
         p.add_argument(
-            "overrides",
-            nargs="*",
-            metavar="key.sub=value",
-            help="recipe overrides (value read as YAML), anywhere on the line",
+            "--force",
+            action="store_true",
+            help="resume even when the model, encoder architecture or data differ from the checkpoint's",
         )
-    sub.add_parser("defaults", help="print every recipe key with its default")
+    defaults = sub.add_parser(
+        "defaults", help="print every recipe key with its default, and the registered parts"
+    )
+    defaults.add_argument(
+        "recipe", nargs="?", default=None, help="also import this recipe's `imports` (custom parts)"
+    )
     return parser
 
 
@@ -60,47 +85,119 @@ def _launch_torchrun(argv: Sequence[str], nproc: int) -> int:
         "bridge",
         *args,
     ]
-    print("launching:", " ".join(cmd), flush=True)
+    print("launching:", " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd)
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _recipe_error(path: Path, exc: RecipeError) -> int:
+    n = len(exc.problems)
+    _err(f"bridge: {n} problem{'s' if n != 1 else ''} in recipe {path}:")
+    for line in exc.problems:
+        _err(f"  {line}")
+    return 2
+
+
+def describe_parts() -> str:
+    """The registered towers, projectors and preprocessors (built-in and imported)."""
+    return "\n".join(
+        f"# {kind}: {', '.join(sorted(table))}"
+        for kind, table in (("towers", TOWERS), ("projectors", PROJECTORS), ("preprocessors", PREPROCESSORS))
+    )
+
+
+def _finite(value: Any) -> Any:
+    """The summary with NaN / Inf as null, so it is valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _report(summary: dict) -> dict:
+    report = {k: v for k, v in summary.items() if k != "eval"}
+    if "eval" in summary:
+        report["exact_match"] = summary["eval"]["exact_match"]
+        report["eval_n"] = summary["eval"]["n"]
+    return _finite(report)
+
+
+def _final_line(summary: dict) -> str:
+    parts = [f"elapsed {summary.get('elapsed_s', 0):.1f} s"]
+    if summary.get("eval_json"):
+        parts.append(f"eval: {summary['eval_json']}")
+    if summary.get("loss_png"):
+        parts.append(f"loss curve: {summary['loss_png']}")
+    parts.append(f"last checkpoint: {summary.get('checkpoint')}")
+    head = "already complete" if summary.get("already_complete") else f"done, {summary.get('steps')} steps"
+    return f"bridge: {head}; " + "; ".join(parts)
+
+
+def _defaults(recipe: str | None) -> int:
+    if recipe is not None:
+        try:
+            load_recipe(recipe, check_encoder=False)
+        except RecipeError as exc:
+            return _recipe_error(Path(recipe).resolve(), exc)
+    print(describe_schema())
+    print(describe_parts())
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command == "defaults":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)[:200]}")
+        return _defaults(args.recipe)
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
     if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
-    if args.command in ("train", "demo"):
-        args.overrides = list(args.overrides) + extra
-    if args.command == "defaults":
-        from bridge.recipe import describe_schema
-
-        print(describe_schema())
-        return 0
+        parser.error(f"unrecognized arguments: {' '.join(bad)[:200]}")
+    overrides = list(extra)
     if args.nproc < 1:
-        print("bridge: --nproc must be >= 1", file=sys.stderr)
+        _err("bridge: --nproc must be >= 1")
         return 2
-    if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return _launch_torchrun(argv, args.nproc)
-
-    from bridge.recipe import RecipeError, load_recipe
 
     recipe_path = DEMO_DIR / f"{args.name}.yaml" if args.command == "demo" else Path(args.recipe)
     try:
-        recipe = load_recipe(recipe_path, args.overrides)
+        recipe = load_recipe(recipe_path, overrides)
     except RecipeError as exc:
-        print(f"bridge: recipe error: {exc}", file=sys.stderr)
-        return 2
-    from bridge.training.trainer import train
+        return _recipe_error(recipe_path.resolve(), exc)
+    if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _launch_torchrun(argv, args.nproc)
 
-    summary = train(recipe, args.output_dir)
+    # the trainer pulls in transformers and the runner: imported once the command line and the
+    # recipe are known to be good, so that usage and recipe errors come back at once
+    from bridge.training.trainer import ResumeMismatch, TrainingInterrupted, train
+
+    output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(recipe)
+    try:
+        summary = train(recipe, output_dir, force=args.force)
+    except ResumeMismatch as exc:
+        _err(f"bridge: refusing to resume: {exc}")
+        return 2
+    except TrainingInterrupted as exc:
+        _err(f"bridge: {exc}")
+        return 130
+    except KeyboardInterrupt:
+        _err("bridge: interrupted before training started; rerun the same command to start")
+        return 130
+    except (ValueError, FloatingPointError, FileNotFoundError) as exc:
+        if os.environ.get("BRIDGE_TRACEBACK"):
+            raise
+        _err(f"bridge: error: {str(exc)[:2000]}")
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
-        report = {k: v for k, v in summary.items() if k != "eval"}
-        if "eval" in summary:
-            report["exact_match"] = summary["eval"]["exact_match"]
-            report["eval_n"] = summary["eval"]["n"]
-        print(json.dumps(report, indent=2))
+        _err(_final_line(summary))  # before the JSON, so the JSON ends a merged stdout + stderr
+        print(json.dumps(_report(summary), indent=2, allow_nan=False), flush=True)
     return 0
 
 

@@ -1,21 +1,27 @@
 """Recipe YAML: the schema, its documented defaults, validation and `key.sub=value` overrides.
 
 A recipe is the one file a research team edits to train an encoder against an LLM. Mistakes in
-it should fail at load time with a message that says exactly where, not ten minutes into a run:
-an unknown key names its dotted path and the nearest valid key; a file that does not exist is
-named; a value of the wrong type or outside its choices says what was expected.
+it should fail at load time, all of them at once, each with its dotted key path, before anything
+is written: an unknown key names the nearest valid key; a file that does not exist is named by
+its resolved path; a value of the wrong type, outside its choices or outside a sane range says
+what was expected; the encoder section is built once to find its mistakes too.
 
-The schema is plain data (`SCHEMA`): nested dicts of `Field`s. Two sections are free-form on
-purpose because another layer owns their validation: `encoder` (handed as-is to
-`encoders.api.build_encoder`) and `model.tiny` (keyword arguments of
-`bridge.tiny_models.build_tiny_model`). `describe_schema()` renders every key with its default
-and doc (`bridge defaults` prints it), so the defaults are documented in one place.
+Relative paths in a recipe resolve against the recipe file's folder (as JSONL media paths resolve
+against the JSONL file); relative paths given as command-line overrides resolve against the
+current directory, where the shell user typed them.
+
+The schema is plain data (`SCHEMA`): nested dicts of `Field`s. `encoder` is checked by
+`encoders.encoder_config_problems`; `model.tiny` against `TINY_MODEL_KEYS` (the keyword arguments
+of the tiny-model builder). `describe_schema()` renders every key with its default and doc
+(`bridge defaults` prints it), so the defaults are documented in one place.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +30,16 @@ from typing import Any
 
 import yaml
 
+from bridge.data.example import PLACEHOLDERS
+from encoders.api import TOWERS, encoder_config_problems, import_modules
+from encoders.registry import lookup
+
 _MISSING = object()
+#: bound on echoed values in messages (a recipe value may be huge)
+_ECHO = 120
+#: llm_hidden_size used to check an encoder section when the LLM's is unknown (a broken model key)
+_PROBE_HIDDEN = 8
+SYNTHETIC_SOURCES = ("shapes", "tones", "graphs")
 
 
 @dataclass(frozen=True)
@@ -32,8 +47,10 @@ class Field:
     """One leaf of the schema.
 
     `types` are the accepted Python types (None in `types` allows null); `choices` restricts
-    values; `is_path` makes validation check that the named file or directory exists;
-    `free_form` accepts any mapping (validated downstream).
+    values (`references` also allows a "package.module:ClassName" string); `lo`/`hi` bound
+    numbers (`lo_open`: strictly greater than `lo`), and floats must be finite; `is_path` resolves
+    a relative path against the recipe's folder and (with `must_exist`) checks it exists;
+    `free_form` accepts any mapping (validated elsewhere).
     """
 
     default: Any
@@ -42,16 +59,55 @@ class Field:
     choices: tuple | None = None
     is_path: bool = False
     free_form: bool = False
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    must_exist: bool = True
+    references: bool = False
 
+
+#: the largest micro-batch / accumulation / loss slice a recipe may ask for: far past any real run,
+#: small enough that a typo (an extra three zeros) fails at once instead of growing memory for minutes
+MAX_BATCH = 65536
+
+#: model.tiny keys -> (types, lo, hi or choices): the tiny-model builder's keyword arguments
+TINY_MODEL_KEYS: dict[str, tuple] = {
+    "family": ((str,), ("llama", "qwen2", "qwen3", "qwen2_vl")),
+    "seed": ((int,), 0, 2**63 - 1),
+    "hidden_size": ((int,), 1, 65536),
+    "num_layers": ((int,), 1, 512),
+    "num_heads": ((int,), 1, 1024),
+    "num_kv_heads": ((int,), 1, 1024),
+    "head_dim": ((int,), 1, 4096),
+    "intermediate_size": ((int,), 1, 1 << 20),
+    "vocab_words": ((list,),),
+    "max_position_embeddings": ((int,), 1, 1 << 22),
+    "tie_word_embeddings": ((bool,),),
+    "dtype": ((str,), ("float32", "bfloat16", "float16")),
+}
+#: the tiny-model builder's default hidden size (when model.tiny does not set one)
+TINY_DEFAULT_HIDDEN = 64
+#: encoder tower keys that hold file or directory paths (resolved like the recipe's own paths)
+ENCODER_PATH_KEYS = ("pretrained", "path", "checkpoint")
 
 _NUM = (int, float)
 _OPT_BOOL = (bool, type(None))
 
 SCHEMA: dict[str, Any] = {
     "name": Field("bridge-run", "Run name; the default output dir is runs/<name>."),
-    "seed": Field(0, "Seeds model init, data generation and the data order.", (int,)),
+    "seed": Field(0, "Seeds model init, data generation and the data order.", (int,), lo=0, hi=2**63 - 1),
+    "imports": Field(
+        [],
+        "Modules to import before anything is built (they register custom towers, projectors, "
+        "preprocessors, datasets): module names, or .py paths relative to the recipe file.",
+        (list,),
+    ),
     "output_dir": Field(
-        None, "Where metrics, checkpoints and eval go (CLI --output-dir wins).", (str, type(None))
+        None,
+        "Where metrics, checkpoints and eval go (CLI --output-dir wins; relative: to the recipe).",
+        (str, type(None)),
+        is_path=True,
+        must_exist=False,
     ),
     "stage": Field(
         "align",
@@ -71,7 +127,7 @@ SCHEMA: dict[str, Any] = {
             None,
             "Instead of `path`: keyword arguments of bridge.tiny_models.build_tiny_model; "
             "the tiny LLM is built into OUTPUT/base_model. vocab_words defaults to the words "
-            "of the dataset's targets.",
+            "of the dataset's targets. Keys: " + ", ".join(sorted(TINY_MODEL_KEYS)) + ".",
             (dict, type(None)),
             free_form=True,
         ),
@@ -85,16 +141,19 @@ SCHEMA: dict[str, Any] = {
     "encoder": Field(
         None,
         "Encoder config handed to encoders.api.build_encoder (tower + projector). "
-        "The projector's output size defaults to the LLM's hidden size.",
+        "The projector's output size defaults to the LLM's hidden size. A part's name may be a "
+        "registered name or 'package.module:ClassName'.",
         (dict,),
         free_form=True,
     ),
     "data": {
         "source": Field(
             "jsonl",
-            "jsonl, or a built-in synthetic set: shapes, tones, graphs.",
+            "jsonl, a built-in synthetic set (shapes, tones, graphs), or 'package.module:ClassName' "
+            "of a dataset class taking (num_items, seed=, split=, prompt=, **options).",
             (str,),
-            ("jsonl", "shapes", "tones", "graphs"),
+            ("jsonl", *SYNTHETIC_SOURCES),
+            references=True,
         ),
         "train": Field(None, "JSONL training rows (source=jsonl).", (str, type(None)), is_path=True),
         "eval": Field(None, "JSONL held-out rows (source=jsonl).", (str, type(None)), is_path=True),
@@ -111,8 +170,8 @@ SCHEMA: dict[str, Any] = {
             (str,),
         ),
         "target_field": Field("text", "Row field holding the target text.", (str,)),
-        "num_train": Field(2000, "Synthetic sets: number of training items.", (int,)),
-        "num_eval": Field(200, "Synthetic sets: number of held-out items.", (int,)),
+        "num_train": Field(2000, "Synthetic sets: number of training items.", (int,), lo=0, hi=10**7),
+        "num_eval": Field(200, "Synthetic sets: number of held-out items.", (int,), lo=0, hi=10**7),
         "options": Field({}, "Synthetic sets: generator options (e.g. image_size).", (dict,), free_form=True),
     },
     "train": {
@@ -129,26 +188,33 @@ SCHEMA: dict[str, Any] = {
             "enabled": Field(
                 None, "LoRA on the LLM (null: on for finetune unless trainable.llm).", _OPT_BOOL
             ),
-            "rank": Field(8, "LoRA rank.", (int,)),
-            "alpha": Field(16.0, "LoRA alpha (scale = alpha / rank).", _NUM),
-            "dropout": Field(0.0, "Dropout on the LoRA input.", _NUM),
+            "rank": Field(8, "LoRA rank.", (int,), lo=1, hi=4096),
+            "alpha": Field(16.0, "LoRA alpha (scale = alpha / rank).", _NUM, lo=0, hi=1e6, lo_open=True),
+            "dropout": Field(0.0, "Dropout on the LoRA input.", _NUM, lo=0, hi=0.99),
             "targets": Field(
                 ["q_proj", "v_proj"],
                 "Linear module names to adapt ('all-linear' for every linear layer of the decoder).",
                 (list, str),
             ),
         },
-        "batch_size": Field(16, "Micro-batch size per rank.", (int,)),
-        "grad_accum_steps": Field(1, "Micro-batches per optimizer step.", (int,)),
-        "max_steps": Field(500, "Optimizer steps.", (int,)),
-        "lr": Field(1e-3, "Peak learning rate (AdamW).", _NUM),
-        "llm_lr": Field(None, "Learning rate of LLM weights / LoRA (null: lr).", (int, float, type(None))),
-        "weight_decay": Field(0.0, "AdamW weight decay.", _NUM),
+        "batch_size": Field(16, "Micro-batch size per rank.", (int,), lo=1, hi=MAX_BATCH),
+        "grad_accum_steps": Field(1, "Micro-batches per optimizer step.", (int,), lo=1, hi=MAX_BATCH),
+        "max_steps": Field(500, "Optimizer steps.", (int,), lo=1, hi=10**9),
+        "lr": Field(1e-3, "Peak learning rate (AdamW).", _NUM, lo=0, hi=10, lo_open=True),
+        "llm_lr": Field(
+            None,
+            "Learning rate of LLM weights / LoRA (null: lr).",
+            (int, float, type(None)),
+            lo=0,
+            hi=10,
+            lo_open=True,
+        ),
+        "weight_decay": Field(0.0, "AdamW weight decay.", _NUM, lo=0, hi=10),
         "betas": Field([0.9, 0.999], "AdamW betas.", (list,)),
-        "grad_clip": Field(1.0, "Max global grad norm (0: off).", _NUM),
+        "grad_clip": Field(1.0, "Max global grad norm (0: off).", _NUM, lo=0, hi=1e9),
         "schedule": Field("cosine", "LR schedule after warmup.", (str,), ("cosine", "linear", "constant")),
-        "warmup_steps": Field(0, "Linear warmup steps.", (int,)),
-        "min_lr_ratio": Field(0.0, "Final LR as a fraction of the peak (cosine/linear).", _NUM),
+        "warmup_steps": Field(0, "Linear warmup steps.", (int,), lo=0, hi=10**9),
+        "min_lr_ratio": Field(0.0, "Final LR as a fraction of the peak (cosine/linear).", _NUM, lo=0, hi=1),
         "precision": Field(
             "fp32", "fp32, or bf16 autocast (trainable weights stay fp32).", (str,), ("fp32", "bf16")
         ),
@@ -173,10 +239,16 @@ SCHEMA: dict[str, Any] = {
             "torch CPU threads (0: torch's default). Tiny models train several times faster with 1 "
             "thread, and far faster when other processes share the cores.",
             (int,),
+            lo=0,
+            hi=4096,
         ),
-        "log_every": Field(10, "Write metrics every N optimizer steps.", (int,)),
-        "checkpoint_every": Field(0, "Checkpoint every N optimizer steps (0: only at the end).", (int,)),
-        "keep_checkpoints": Field(0, "Keep only the newest N checkpoints (0: keep all).", (int,)),
+        "log_every": Field(10, "Write metrics every N optimizer steps.", (int,), lo=1, hi=10**9),
+        "checkpoint_every": Field(
+            0, "Checkpoint every N optimizer steps (0: only at the end).", (int,), lo=0, hi=10**9
+        ),
+        "keep_checkpoints": Field(
+            0, "Keep only the newest N checkpoints (0: keep all).", (int,), lo=0, hi=10**6
+        ),
         "resume": Field(
             True, "Resume from the newest checkpoint in the output dir if there is one.", (bool,)
         ),
@@ -184,16 +256,39 @@ SCHEMA: dict[str, Any] = {
     },
     "eval": {
         "enabled": Field(True, "Evaluate at the end through runner.LLM with prompt embeds.", (bool,)),
-        "num_items": Field(200, "Held-out items to evaluate (capped by the eval set).", (int,)),
-        "max_tokens": Field(16, "Max new tokens per item.", (int,)),
-        "num_samples": Field(10, "Sample generations stored in eval.json.", (int,)),
+        "num_items": Field(
+            200, "Held-out items to evaluate (capped by the eval set).", (int,), lo=0, hi=10**7
+        ),
+        "max_tokens": Field(16, "Max new tokens per item.", (int,), lo=1, hi=65536),
+        "num_samples": Field(
+            10, "Sample generations stored in eval.json (every miss is stored too).", (int,), lo=0, hi=10**7
+        ),
+        "every": Field(
+            0,
+            "Held-out loss every N optimizer steps into metrics.jsonl and loss.png (0: off).",
+            (int,),
+            lo=0,
+            hi=10**9,
+        ),
+        "loss_items": Field(
+            64,
+            "Held-out items (the first N of the eval set) the held-out loss averages over.",
+            (int,),
+            lo=1,
+            hi=MAX_BATCH,
+        ),
         "enforce_eager": Field(False, "Passed to runner.LLM (no CUDA graphs).", (bool,)),
     },
 }
 
 
 class RecipeError(ValueError):
-    """A recipe that cannot run, with the dotted path of the offending key in the message."""
+    """A recipe that cannot run: every problem found, one line each, each naming its key path."""
+
+    def __init__(self, problems: str | Sequence[str]):
+        items = [problems] if isinstance(problems, str) else list(problems)
+        self.problems: list[str] = [_clip(p, 400) for p in items]
+        super().__init__("\n".join(self.problems))
 
 
 class Node(dict):
@@ -207,6 +302,14 @@ class Node(dict):
 
     def to_dict(self) -> dict:
         return {k: (v.to_dict() if isinstance(v, Node) else copy.deepcopy(v)) for k, v in self.items()}
+
+
+def _clip(text: str, limit: int = _ECHO) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _show(value: Any) -> str:
+    return _clip(repr(value))
 
 
 def _all_paths(schema: Mapping, prefix: str = "") -> list[str]:
@@ -245,104 +348,242 @@ def _type_name(types: tuple) -> str:
     return " or ".join(names.get(t, t.__name__) for t in types)
 
 
-def _check_leaf(path: str, field: Field, value: Any) -> Any:
+def _range_problem(
+    path: str, value: Any, lo: float | None, hi: float | None, lo_open: bool = False
+) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path}: must be a finite number, got {value}"
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        return f"{path}: must be {'>' if lo_open else '>='} {lo:g}, got {_show(value)}"
+    if hi is not None and value > hi:
+        return f"{path}: must be <= {hi:g}, got {_show(value)}"
+    return None
+
+
+def resolve_path(value: str, base_dir: Path | None) -> Path:
+    """A recipe path: `~` expanded, relative ones joined to `base_dir` (the recipe's folder)."""
+    path = Path(os.path.expanduser(value))
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    return path.resolve()
+
+
+def _check_leaf(path: str, field: Field, value: Any, base_dir: Path | None, problems: list[str]) -> Any:
     if isinstance(value, bool) and bool not in field.types:
-        raise RecipeError(f"{path}: expected {_type_name(field.types)}, got bool {value!r}")
+        problems.append(f"{path}: expected {_type_name(field.types)}, got bool {value!r}")
+        return value
     if isinstance(value, int) and not isinstance(value, bool) and float in field.types:
         value = float(value)
     if not isinstance(value, field.types):
-        raise RecipeError(f"{path}: expected {_type_name(field.types)}, got {type(value).__name__} {value!r}")
+        problems.append(
+            f"{path}: expected {_type_name(field.types)}, got {type(value).__name__} {_show(value)}"
+        )
+        return value
     if field.choices is not None and value not in field.choices:
-        raise RecipeError(f"{path}: {value!r} is not one of {list(field.choices)}")
-    if field.is_path and value is not None and not Path(os.path.expanduser(value)).exists():
-        raise RecipeError(f"{path}: file or directory not found: {value}")
+        if not (field.references and isinstance(value, str) and ":" in value):
+            extra = " or 'package.module:ClassName'" if field.references else ""
+            problems.append(f"{path}: {_show(value)} is not one of {list(field.choices)}{extra}")
+            return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        problem = _range_problem(path, value, field.lo, field.hi, field.lo_open)
+        if problem:
+            problems.append(problem)
     if field.is_path and value is not None:
-        value = str(Path(os.path.expanduser(value)).resolve())
+        resolved = resolve_path(value, base_dir)
+        if field.must_exist and not resolved.exists():
+            problems.append(f"{path}: file or directory not found: {resolved}")
+        value = str(resolved)
     return copy.deepcopy(value)
 
 
-def _validate_level(raw: Mapping, schema: Mapping, prefix: str) -> Node:
+def _validate_level(
+    raw: Any, schema: Mapping, prefix: str, base_dir: Path | None, problems: list[str]
+) -> Node:
+    out = Node()
     if not isinstance(raw, Mapping):
-        raise RecipeError(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping, got {type(raw).__name__}")
+        problems.append(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping, got {type(raw).__name__}")
+        raw = {}
     for key in raw:
         if key not in schema:
             hint = _nearest(str(key), prefix, schema)
-            msg = f"unknown key '{prefix}{key}'"
-            raise RecipeError(msg + (f" (did you mean '{hint}'?)" if hint else ""))
-    out = Node()
+            msg = f"unknown key '{prefix}{_clip(str(key), 60)}'"
+            problems.append(msg + (f" (did you mean '{hint}'?)" if hint else ""))
     for key, spec in schema.items():
         path = prefix + key
         if isinstance(spec, dict):
-            out[key] = _validate_level(raw.get(key) or {}, spec, path + ".")
+            out[key] = _validate_level(raw.get(key) or {}, spec, path + ".", base_dir, problems)
         else:
             value = raw.get(key, _MISSING)
-            out[key] = copy.deepcopy(spec.default) if value is _MISSING else _check_leaf(path, spec, value)
+            if value is _MISSING:
+                out[key] = copy.deepcopy(spec.default)
+            else:
+                out[key] = _check_leaf(path, spec, value, base_dir, problems)
     return out
 
 
-def _check_semantics(r: Node) -> None:
+def _check_tiny(tiny: Mapping, problems: list[str]) -> None:
+    for key, value in tiny.items():
+        path = f"model.tiny.{_clip(str(key), 60)}"
+        if key not in TINY_MODEL_KEYS:
+            close = difflib.get_close_matches(str(key), list(TINY_MODEL_KEYS), n=1)
+            hint = f" (did you mean 'model.tiny.{close[0]}'?)" if close else ""
+            problems.append(f"unknown key '{path}'{hint}; valid: {', '.join(sorted(TINY_MODEL_KEYS))}")
+            continue
+        types, *rest = TINY_MODEL_KEYS[key]
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            problems.append(
+                f"{path}: expected {_type_name(types)}, got {type(value).__name__} {_show(value)}"
+            )
+        elif rest and isinstance(rest[0], tuple):
+            if value not in rest[0]:
+                problems.append(f"{path}: {_show(value)} is not one of {list(rest[0])}")
+        elif rest:
+            problem = _range_problem(path, value, rest[0], rest[1])
+            if problem:
+                problems.append(problem)
+        elif key == "vocab_words" and not all(isinstance(w, str) for w in value):
+            problems.append(f"{path}: expected a list of strings")
+
+
+def _llm_hidden_size(r: Node, problems: list[str]) -> int | None:
+    """The LLM's hidden size from model.tiny or model.path's config.json (None when unknown)."""
+    if r.model.tiny is not None:
+        hidden = r.model.tiny.get("hidden_size", TINY_DEFAULT_HIDDEN)
+        return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) and hidden > 0 else None
+    if r.model.path is None or not Path(r.model.path).exists():
+        return None
+    config = Path(r.model.path) / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        problems.append(f"model.path: cannot read {config}: {_clip(str(exc))}")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"model.path: {config} is not a JSON object")
+        return None
+    hidden = data.get("hidden_size") or (data.get("text_config") or {}).get("hidden_size")
+    if not isinstance(hidden, int):
+        problems.append(f"model.path: {config} has no integer hidden_size")
+        return None
+    return hidden
+
+
+def _resolve_encoder_paths(encoder: Any, base_dir: Path | None) -> Any:
+    """Relative file paths in the tower config (`pretrained`, `path`, `checkpoint`) -> absolute,
+    against the recipe's folder."""
+    if not isinstance(encoder, Mapping) or not isinstance(encoder.get("tower"), Mapping):
+        return encoder
+    encoder = copy.deepcopy(dict(encoder))
+    tower = encoder["tower"]
+    for key in ENCODER_PATH_KEYS:
+        if isinstance(tower.get(key), str) and tower[key]:
+            tower[key] = str(resolve_path(tower[key], base_dir))
+    return encoder
+
+
+def _encoder_modality(cfg: Mapping) -> str | None:
+    if isinstance(cfg.get("modality"), str):
+        return cfg["modality"]
+    tower = cfg.get("tower")
+    if isinstance(tower, Mapping):
+        try:
+            return getattr(lookup(TOWERS, "tower", tower.get("name")), "modality", None)
+        except ValueError:
+            return None
+    return None
+
+
+def _check_encoder(r: Node, problems: list[str]) -> None:
+    if not isinstance(r.encoder, Mapping):
+        return
+    known = _llm_hidden_size(r, problems)
+    cfg = copy.deepcopy(dict(r.encoder))
+    given = cfg.get("llm_hidden_size")
+    if given is not None and known is not None and given != known:
+        problems.append(f"encoder.llm_hidden_size: is {_show(given)} but the LLM's hidden size is {known}")
+    cfg.setdefault("llm_hidden_size", known or _PROBE_HIDDEN)
+    cfg.setdefault("imports", list(r.imports))
+    problems.extend(f"encoder.{p}" for p in encoder_config_problems(cfg))
+    modality = _encoder_modality(cfg)
+    placeholder = {m: p for p, m in PLACEHOLDERS.items()}.get(modality or "")
+    if placeholder and isinstance(r.data.prompt, str) and placeholder not in r.data.prompt:
+        problems.append(
+            f"data.prompt: {_show(r.data.prompt)} has no {placeholder} placeholder for the {modality} "
+            f"encoder (the encoder's rows go where it stands)"
+        )
+
+
+def _check_semantics(r: Node, problems: list[str]) -> None:
     """Cross-field rules that a per-key schema cannot express."""
     if (r.model.path is None) == (r.model.tiny is None):
-        raise RecipeError("model: set exactly one of model.path (a local HF model dir) or model.tiny")
+        problems.append("model: set exactly one of model.path (a local HF model dir) or model.tiny")
+    if r.model.tiny is not None:
+        _check_tiny(r.model.tiny, problems)
     if r.encoder is None:
-        raise RecipeError("encoder: missing (the encoder config for encoders.api.build_encoder)")
+        problems.append("encoder: missing (the encoder config for encoders.api.build_encoder)")
     if r.data.source == "jsonl" and r.data.train is None:
-        raise RecipeError("data.train: required when data.source is jsonl")
-    positive = {
-        "train.batch_size": r.train.batch_size,
-        "train.grad_accum_steps": r.train.grad_accum_steps,
-        "train.max_steps": r.train.max_steps,
-        "train.lora.rank": r.train.lora.rank,
-        "eval.max_tokens": r.eval.max_tokens,
-        "train.log_every": r.train.log_every,
-    }
-    for path, value in positive.items():
-        if value < 1:
-            raise RecipeError(f"{path}: must be >= 1, got {value}")
-    for path, value in {
-        "train.checkpoint_every": r.train.checkpoint_every,
-        "train.warmup_steps": r.train.warmup_steps,
-        "data.num_train": r.data.num_train,
-        "data.num_eval": r.data.num_eval,
-        "eval.num_items": r.eval.num_items,
-        "train.keep_checkpoints": r.train.keep_checkpoints,
-        "train.cpu_threads": r.train.cpu_threads,
-    }.items():
-        if value < 0:
-            raise RecipeError(f"{path}: must be >= 0, got {value}")
-    if r.train.lr <= 0:
-        raise RecipeError(f"train.lr: must be > 0, got {r.train.lr}")
-    if len(r.train.betas) != 2 or not all(isinstance(b, (int, float)) for b in r.train.betas):
-        raise RecipeError(f"train.betas: expected two numbers, got {r.train.betas!r}")
-    if not 0 <= r.train.min_lr_ratio <= 1:
-        raise RecipeError(f"train.min_lr_ratio: must be in [0, 1], got {r.train.min_lr_ratio}")
+        problems.append("data.train: required when data.source is jsonl")
+    betas = r.train.betas
+    if (
+        not isinstance(betas, list)
+        or len(betas) != 2
+        or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+    ):
+        problems.append(f"train.betas: expected two numbers in [0, 1), got {_show(betas)}")
     if r.train.lora.enabled and r.train.trainable.llm:
-        raise RecipeError(
-            "train.lora.enabled and train.trainable.llm are exclusive: LoRA adapts a frozen LLM"
-        )
+        problems.append("train.lora.enabled and train.trainable.llm are exclusive: LoRA adapts a frozen LLM")
     if r.stage == "align" and (r.train.trainable.llm or r.train.lora.enabled):
-        raise RecipeError("stage align keeps the LLM frozen: use stage finetune to train the LLM or LoRA")
+        problems.append("stage align keeps the LLM frozen: use stage finetune to train the LLM or LoRA")
+    targets = r.train.lora.targets
+    if not (isinstance(targets, str) or all(isinstance(t, str) for t in targets)):
+        problems.append(f"train.lora.targets: expected module names, got {_show(targets)}")
 
 
-def validate(raw: Mapping) -> Node:
-    """Check a raw recipe mapping against the schema and fill in defaults."""
-    recipe = _validate_level(raw, SCHEMA, "")
-    _check_semantics(recipe)
+def _import_user_modules(r: Node, base_dir: Path | None, problems: list[str]) -> None:
+    if not all(isinstance(spec, str) for spec in r.imports):
+        problems.append(f"imports: expected module names or .py paths, got {_show(r.imports)}")
+        return
+    resolved = []
+    for i, spec in enumerate(r.imports):
+        try:
+            resolved += import_modules([spec], base_dir=base_dir, where=f"imports[{i}]")
+        except ValueError as exc:
+            problems.append(str(exc))
+    r["imports"] = resolved
+
+
+def validate(raw: Mapping, base_dir: str | Path | None = None, check_encoder: bool = True) -> Node:
+    """Check a raw recipe mapping against the schema, fill in defaults and import `imports`.
+
+    Relative paths resolve against `base_dir` (the recipe file's folder; default: the current
+    directory). Every problem found is collected; a RecipeError lists them all, one per line.
+    `check_encoder=False` skips building the encoder section (the slow part of the check)."""
+    base = Path(base_dir).resolve() if base_dir is not None else None
+    problems: list[str] = []
+    if isinstance(raw, Mapping) and "encoder" in raw:
+        raw = {**raw, "encoder": _resolve_encoder_paths(raw["encoder"], base)}
+    recipe = _validate_level(raw, SCHEMA, "", base, problems)
+    _check_semantics(recipe, problems)
+    _import_user_modules(recipe, base, problems)
+    if check_encoder and not any(p.startswith("imports") for p in problems):
+        _check_encoder(recipe, problems)
+    if problems:
+        raise RecipeError(problems)
     return recipe
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`train.lr=3e-4` -> (["train", "lr"], 3e-4); the value is read as YAML (so types are kept)."""
     if "=" not in text:
-        raise RecipeError(f"override {text!r}: expected key.sub=value")
+        raise RecipeError(f"override {_show(text)}: expected key.sub=value")
     key, _, value = text.partition("=")
     parts = key.strip().split(".")
     if not all(parts):
-        raise RecipeError(f"override {text!r}: empty key segment")
+        raise RecipeError(f"override {_show(text)}: empty key segment")
     try:
         parsed = yaml.safe_load(value) if value.strip() else None
     except yaml.YAMLError as exc:
-        raise RecipeError(f"override {text!r}: value is not valid YAML: {exc}") from exc
+        raise RecipeError(f"override {_show(text)}: value is not valid YAML: {_clip(str(exc))}") from exc
     # YAML 1.1 reads "1e-3" as a string; a number is what anyone writing it means.
     if isinstance(parsed, str):
         try:
@@ -352,18 +593,39 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, parsed
 
 
+def _is_path_key(parts: Sequence[str]) -> bool:
+    node: Any = SCHEMA
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            break
+        node = node[part]
+    else:
+        return isinstance(node, Field) and node.is_path
+    return len(parts) == 3 and parts[0] == "encoder" and parts[1] == "tower" and parts[2] in ENCODER_PATH_KEYS
+
+
+def _absolute(value: Any) -> Any:
+    return str(Path(os.path.expanduser(value)).resolve()) if isinstance(value, str) and value else value
+
+
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
-    """Apply `key.sub=value` overrides to a raw recipe mapping (a copy); validation comes after."""
+    """Apply `key.sub=value` overrides to a raw recipe mapping (a copy); validation comes after.
+
+    A relative path given here resolves against the current directory (where it was typed)."""
     out = copy.deepcopy(raw)
     for text in overrides:
         parts, value = parse_override(text)
+        if _is_path_key(parts):
+            value = _absolute(value)
+        elif parts == ["imports"] and isinstance(value, list):
+            value = [_absolute(v) if isinstance(v, str) and v.endswith(".py") else v for v in value]
         node = out
         for i, part in enumerate(parts[:-1]):
             nxt = node.get(part)
             if nxt is None:
                 nxt = node[part] = {}
             if not isinstance(nxt, dict):
-                raise RecipeError(f"override {text!r}: '{'.'.join(parts[: i + 1])}' is not a mapping")
+                raise RecipeError(f"override {_show(text)}: '{'.'.join(parts[: i + 1])}' is not a mapping")
             node = nxt
         node[parts[-1]] = value
     return out
@@ -372,24 +634,33 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
 def _read_yaml(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise RecipeError(f"recipe file not found: {path}")
+        raise RecipeError(f"recipe file not found: {p.resolve()}")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}") from exc
+        raise RecipeError(f"{p}: not valid YAML: {_clip(str(exc), 300)}") from exc
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a recipe is a mapping at the top level")
+        raise RecipeError(f"{p}: a recipe is a mapping at the top level")
     return data
 
 
-def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Node:
-    """Read, override and validate a recipe YAML file."""
-    return validate(apply_overrides(_read_yaml(path), overrides))
+def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = (), check_encoder: bool = True) -> Node:
+    """Read, override and validate a recipe YAML file (relative paths: against its folder)."""
+    return validate(
+        apply_overrides(_read_yaml(path), overrides),
+        base_dir=Path(path).resolve().parent,
+        check_encoder=check_encoder,
+    )
 
 
 def dump_recipe(recipe: Mapping, path: str | os.PathLike) -> None:
     data = recipe.to_dict() if isinstance(recipe, Node) else dict(recipe)
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def default_output_dir(recipe: Mapping) -> Path:
+    """recipe.output_dir, else runs/<name> under the current directory."""
+    return Path(recipe["output_dir"]) if recipe.get("output_dir") else Path("runs") / recipe["name"]
 
 
 def describe_schema(schema: Mapping | None = None, prefix: str = "") -> str:
@@ -402,3 +673,43 @@ def describe_schema(schema: Mapping | None = None, prefix: str = "") -> str:
             choices = f" [{'|'.join(spec.choices)}]" if spec.choices else ""
             lines.append(f"{prefix}{key} = {spec.default!r}{choices}  # {spec.doc}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- resuming
+#: key prefixes a resumed run may not change (the checkpoint's weights and data order depend on
+#: them) without --force; every other change is reported and allowed
+FROZEN_ON_RESUME = ("model.", "encoder.", "data.", "imports", "seed")
+#: encoder keys that are training flags, not architecture: changing them on resume is fine
+_ENCODER_FLAGS = ("encoder.freeze_tower", "encoder.freeze_projector")
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, Mapping) and data:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def recipe_changes(old: Mapping, new: Mapping) -> list[tuple[str, Any, Any]]:
+    """(key path, old value, new value) for every leaf that differs, sorted by key."""
+    a, b = _flatten(old), _flatten(new)
+    return [
+        (k, a.get(k, _MISSING), b.get(k, _MISSING)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+    ]
+
+
+def frozen_changes(changes: Sequence[tuple[str, Any, Any]]) -> list[str]:
+    """The changed keys a resume refuses without --force (model, encoder architecture, data)."""
+    return [
+        k
+        for k, _, _ in changes
+        if any(k == p.rstrip(".") or k.startswith(p) for p in FROZEN_ON_RESUME)
+        and not any(k == f or k.startswith(f + ".") for f in _ENCODER_FLAGS)
+    ]
+
+
+def describe_change(key: str, old: Any, new: Any) -> str:
+    show = lambda v: "(unset)" if v is _MISSING else _show(v)  # noqa: E731
+    return f"{key}: {show(old)} -> {show(new)}"

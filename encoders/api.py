@@ -21,9 +21,19 @@ Registered towers (``TOWERS``): image: "open_clip", "hf_vision", "conv"; audio: 
 its config keys.
 """
 
+from encoders import builtins  # noqa: F401  (registers the built-in parts, once)
 from encoders.audio_inputs import load_audio, load_wav, save_wav
-from encoders.checkpoint import describe_mismatch, load_encoder, load_state_dict_checked, save_encoder
-from encoders.encoder import Encoder, build_encoder, build_preprocessor, build_projector, build_tower
+from encoders.checkpoint import describe_mismatch, load_state_dict_checked, save_encoder
+from encoders.encoder import (
+    Encoder,
+    build_encoder,
+    build_preprocessor,
+    build_projector,
+    build_tower,
+    check_tower_class,
+    encoder_config_problems,
+    load_encoder,
+)
 from encoders.graph_format import Graph, graph_from_dict, graph_to_dict, load_graph_json, save_graph_json
 from encoders.hashing import content_hash
 from encoders.parts import Projector, Tower
@@ -37,6 +47,7 @@ from encoders.registry import (
     register_tower,
 )
 from encoders.tiny import tiny_encoder_config
+from encoders.user_modules import import_modules
 from encoders.vision_inputs import load_image
 
 __all__ = [
@@ -51,10 +62,13 @@ __all__ = [
     "build_preprocessor",
     "build_projector",
     "build_tower",
+    "check_tower_class",
     "content_hash",
     "describe_mismatch",
+    "encoder_config_problems",
     "graph_from_dict",
     "graph_to_dict",
+    "import_modules",
     "load_audio",
     "load_encoder",
     "load_graph_json",

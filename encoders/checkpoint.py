@@ -1,5 +1,9 @@
 """Encoder checkpoints: ``config.json`` (how to rebuild) + ``model.safetensors`` (weights).
 
+This module owns the file format and nothing else (it imports nothing of its own package):
+``save_encoder`` writes it, ``read_encoder_config`` and ``load_state_dict_checked`` read it, and
+``encoders.encoder.load_encoder`` (which needs the builders) rebuilds an Encoder from it.
+
 Loading rebuilds the architecture from the saved config (no external files needed: towers export a
 self-contained config) and then checks every parameter name and shape, saying exactly what does not
 match instead of a bare "size mismatch" deep inside torch.
@@ -13,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 CONFIG_NAME = "config.json"
@@ -33,11 +37,15 @@ def _atomic_write(path: Path, write) -> None:
             os.unlink(tmp)
 
 
-def save_encoder(encoder, directory: str | Path) -> Path:
-    """Save an Encoder's config and weights into ``directory`` (created if needed)."""
+def save_encoder(encoder, directory: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Save an Encoder's config and weights into ``directory`` (created if needed).
+
+    ``state`` replaces the module's own state dict (a trainer passes full tensors gathered from
+    a sharded model); the files are the same either way."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in encoder.state_dict().items()}
+    source = encoder.state_dict() if state is None else state
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in source.items()}
     config = {"bridge_encoder_format": FORMAT_VERSION, **encoder.config}
     _atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     _atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
@@ -87,24 +95,3 @@ def read_encoder_config(directory: str | Path) -> dict:
     if version != FORMAT_VERSION:
         raise ValueError(f"{path}: bridge_encoder_format is {version!r}, this code reads {FORMAT_VERSION}")
     return config
-
-
-def load_encoder(directory: str | Path, device: str | torch.device | None = None):
-    """Rebuild an Encoder saved by ``save_encoder`` and load its weights (names and shapes checked)."""
-    from encoders.encoder import build_encoder
-
-    directory = Path(directory)
-    config = read_encoder_config(directory)
-    weights = directory / WEIGHTS_NAME
-    if not weights.is_file():
-        raise ValueError(f"encoder checkpoint {directory} has no {WEIGHTS_NAME}")
-    encoder = build_encoder(config)
-    try:
-        state = load_file(str(weights))
-    except Exception as e:  # noqa: BLE001  safetensors raises its own error types on bad bytes
-        why = str(e)[:200]
-        raise ValueError(f"{weights}: not a valid safetensors file (truncated or damaged?): {why}") from None
-    load_state_dict_checked(encoder, state, source=str(weights))
-    if device is not None:
-        encoder.to(device)
-    return encoder

@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from encoders.checkpoint import WEIGHTS_NAME, load_state_dict_checked, read_encoder_config, save_encoder
 from encoders.hashing import content_hash as _content_hash
 from encoders.parts import Batch, Projector, Tower, check_keys, move_batch
 from encoders.registry import PREPROCESSORS, PROJECTORS, TOWERS, lookup, require_name
+from encoders.user_modules import import_modules
 
 MODALITIES = ("image", "audio", "graph")
 ENCODER_KEYS = {
@@ -28,13 +31,66 @@ ENCODER_KEYS = {
     "streaming",
     "freeze_tower",
     "freeze_projector",
+    "imports",
 }
+
+#: what every tower class must define itself (the base class only raises NotImplementedError)
+TOWER_METHODS = ("from_config", "export_config", "preprocess", "collate", "output_rows", "forward")
+
+
+def _missing_methods(cls: Any, names: tuple[str, ...]) -> list[str]:
+    """Methods of ``names`` that ``cls`` leaves to the Tower base class (or lacks entirely)."""
+    missing = []
+    for name in names:
+        own = getattr(cls, name, None)
+        base = getattr(Tower, name, None)
+        if own is None or (
+            base is not None and getattr(own, "__func__", own) is getattr(base, "__func__", base)
+        ):
+            missing.append(name)
+    return missing
+
+
+def _class_name(cls: Any) -> str:
+    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', repr(cls))}"
+
+
+def check_tower_class(cls: Any) -> None:
+    """A tower class must define every method the Encoder calls; say which one is missing, by
+    class and name, before anything is built (not as a NotImplementedError mid-training)."""
+    if not isinstance(cls, type):
+        raise ValueError(f"tower {cls!r} is not a class")
+    missing = _missing_methods(cls, TOWER_METHODS)
+    if missing:
+        raise ValueError(
+            f"tower class {_class_name(cls)} does not define {', '.join(missing)} "
+            f"(every tower needs {', '.join(TOWER_METHODS)}; see encoders.Tower)"
+        )
+
+
+def _check_built_tower(tower: Any, cls: Any) -> None:
+    if not isinstance(tower, nn.Module):
+        raise ValueError(
+            f"{_class_name(cls)}.from_config returned {type(tower).__name__}, not a Tower module"
+        )
+    modality = getattr(tower, "modality", None)
+    if modality not in MODALITIES:
+        raise ValueError(
+            f"tower {_class_name(cls)}: modality must be one of {list(MODALITIES)}, got {modality!r}"
+        )
+    width = getattr(tower, "out_dim", None)
+    if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
+        raise ValueError(f"tower {_class_name(cls)}: out_dim must be a positive int, got {width!r}")
 
 
 def build_tower(cfg: dict) -> Tower:
     """Build a tower from ``{"name": <registered tower>, ...tower keys}``."""
     name = require_name(cfg, "tower")
-    return lookup(TOWERS, "tower", name).from_config({k: v for k, v in cfg.items() if k != "name"})
+    cls = lookup(TOWERS, "tower", name)
+    check_tower_class(cls)
+    tower = cls.from_config({k: v for k, v in cfg.items() if k != "name"})
+    _check_built_tower(tower, cls)
+    return tower
 
 
 def build_projector(cfg: dict, in_dim: int, out_dim: int) -> Projector:
@@ -64,6 +120,7 @@ def build_encoder(cfg: dict) -> Encoder:
     hidden = cfg["llm_hidden_size"]
     if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden <= 0:
         raise ValueError(f"encoder llm_hidden_size must be a positive int, got {hidden!r}")
+    import_modules(cfg.get("imports") or [], where="encoder.imports")
     tower = build_tower(cfg["tower"])
     modality = cfg.get("modality", tower.modality)
     if modality not in MODALITIES:
@@ -75,6 +132,48 @@ def build_encoder(cfg: dict) -> Encoder:
         )
     projector = build_projector(cfg["projector"], tower.out_dim, hidden)
     return Encoder(cfg, tower, projector)
+
+
+def encoder_config_problems(cfg: Any) -> list[str]:
+    """Every problem of an encoder config, one line each, prefixed with the key it is under
+    (``tower: ...``, ``projector: ...``): what a recipe check reports all at once before a run.
+
+    Builds the parts to find out (a pretrained file is read), so this costs one encoder build."""
+    if not isinstance(cfg, dict):
+        return [f"expected a mapping, got {type(cfg).__name__}"]
+    problems: list[str] = []
+    unknown = sorted(set(cfg) - ENCODER_KEYS)
+    if unknown:
+        problems.append(f"unknown key(s) {unknown}; valid keys: {sorted(ENCODER_KEYS)}")
+    for key in ("tower", "projector", "llm_hidden_size"):
+        if key not in cfg:
+            problems.append(f"{key}: missing (required)")
+    try:
+        import_modules(cfg.get("imports") or [], where="imports")
+    except ValueError as exc:
+        return problems + [str(exc)]
+    tower = None
+    if "tower" in cfg:
+        try:
+            tower = build_tower(cfg["tower"])
+        except (ValueError, TypeError, OSError) as exc:
+            problems.append(f"tower: {exc}")
+    hidden = cfg.get("llm_hidden_size")
+    if "projector" in cfg:
+        try:
+            if tower is not None and isinstance(hidden, int) and hidden > 0:
+                build_projector(cfg["projector"], tower.out_dim, hidden)
+            else:
+                lookup(PROJECTORS, "projector", require_name(cfg["projector"], "projector"))
+        except (ValueError, TypeError) as exc:
+            problems.append(f"projector: {exc}")
+    if problems or tower is None:
+        return problems
+    try:
+        build_encoder(cfg)
+    except (ValueError, TypeError) as exc:
+        problems.append(str(exc))
+    return problems
 
 
 class Encoder(nn.Module):
@@ -117,9 +216,16 @@ class Encoder(nn.Module):
                 raise ValueError(f"streaming.chunk_samples must be a positive int, got {chunk!r}")
             self.chunk_samples = chunk
         self.is_realtime: bool = self.chunk_samples is not None
+        exported = dict(tower.export_config())
+        given_name = config["tower"].get("name") if isinstance(config.get("tower"), dict) else None
+        if exported.get("name") is None or (
+            isinstance(given_name, str) and ":" in given_name and exported["name"] not in TOWERS
+        ):
+            exported["name"] = given_name
         self.config: dict = {
             "modality": self.modality,
-            "tower": tower.export_config(),
+            "imports": list(config.get("imports") or []),
+            "tower": exported,
             "projector": copy.deepcopy(config["projector"]),
             "llm_hidden_size": self.hidden_size,
             "streaming": {"chunk_samples": self.chunk_samples} if self.is_realtime else None,
@@ -209,7 +315,15 @@ class Encoder(nn.Module):
         tensors = move_batch(
             {k: v for k, v in batch.items() if k != "_pieces_per_item"}, self.device, self.dtype
         )
-        return self.tower(tensors)
+        feats, lengths = self.tower(tensors)
+        if feats.dim() != 3 or feats.shape[-1] != self.tower.out_dim:
+            raise ValueError(
+                f"tower {self.config['tower'].get('name')!r} ({type(self.tower).__name__}) returned "
+                f"features of shape {tuple(feats.shape)}: expected (items, rows, out_dim="
+                f"{self.tower.out_dim}), got width {feats.shape[-1] if feats.dim() else 'none'}; "
+                f"set out_dim to the width forward returns"
+            )
+        return feats, lengths
 
     def forward_padded(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tower + projector over all pieces: ``(P, T, hidden)`` and lengths (None = all T)."""
@@ -286,15 +400,11 @@ class Encoder(nn.Module):
     # ----------------------------------------------------------------- persistence
     def save(self, directory: str | Path) -> Path:
         """Write ``config.json`` + ``model.safetensors`` (all weights) into ``directory``."""
-        from encoders.checkpoint import save_encoder
-
         return save_encoder(self, directory)
 
     @classmethod
     def load(cls, directory: str | Path, device: str | torch.device | None = None) -> Encoder:
         """Rebuild from ``config.json`` and load weights, checking every name and shape."""
-        from encoders.checkpoint import load_encoder
-
         return load_encoder(directory, device=device)
 
     def extra_repr(self) -> str:
@@ -302,3 +412,28 @@ class Encoder(nn.Module):
             f"modality={self.modality!r}, hidden_size={self.hidden_size}, realtime={self.is_realtime}, "
             f"params={self.num_parameters()}"
         )
+
+
+def load_encoder(directory: str | Path, device: str | torch.device | None = None) -> Encoder:
+    """Rebuild an Encoder saved by ``save_encoder`` and load its weights (names and shapes checked).
+
+    The modules the encoder was built with (config ``imports``: a recipe's custom towers and
+    projectors) are imported first; a failure names the module and the config file."""
+    directory = Path(directory)
+    config = read_encoder_config(directory)
+    weights = directory / WEIGHTS_NAME
+    if not weights.is_file():
+        raise ValueError(f"encoder checkpoint {directory} has no {WEIGHTS_NAME}")
+    config["imports"] = import_modules(
+        config.get("imports") or [], base_dir=directory, where=f"{directory / 'config.json'}: imports"
+    )
+    encoder = build_encoder(config)
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # noqa: BLE001  safetensors raises its own error types on bad bytes
+        why = str(e)[:200]
+        raise ValueError(f"{weights}: not a valid safetensors file (truncated or damaged?): {why}") from None
+    load_state_dict_checked(encoder, state, source=str(weights))
+    if device is not None:
+        encoder.to(device)
+    return encoder

@@ -11,6 +11,12 @@ import hashlib
 from collections.abc import Iterable
 from typing import Any
 
+from encoders.audio_inputs import audio_hash_parts
+from encoders.graph_format import graph_hash_parts
+from encoders.vision_inputs import image_hash_parts
+
+_PARTS = {"image": image_hash_parts, "audio": audio_hash_parts, "graph": graph_hash_parts}
+
 
 def sha256_of_parts(parts: Iterable[bytes]) -> str:
     """sha256 over length-prefixed parts (prefixing makes the split between parts unambiguous)."""
@@ -23,12 +29,7 @@ def sha256_of_parts(parts: Iterable[bytes]) -> str:
 
 def content_hash(modality: str, item: Any) -> str:
     """sha256 hex digest identifying ``item``'s content for ``modality``."""
-    if modality == "image":
-        from encoders.vision_inputs import image_hash_parts as parts
-    elif modality == "audio":
-        from encoders.audio_inputs import audio_hash_parts as parts
-    elif modality == "graph":
-        from encoders.graph_format import graph_hash_parts as parts
-    else:
-        raise ValueError(f"no content hash for modality {modality!r}; known: image, audio, graph")
+    parts = _PARTS.get(modality)
+    if parts is None:
+        raise ValueError(f"no content hash for modality {str(modality)[:40]!r}; known: image, audio, graph")
     return sha256_of_parts([modality.encode(), *parts(item)])

@@ -330,6 +330,12 @@ class ConvTower(_ImageTower):
         std: float = 0.5,
     ):
         super().__init__()
+        if not isinstance(channels, (list, tuple)) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and 1 <= c <= 65536 for c in channels
+        ):
+            raise ValueError(f"conv tower: channels must be a list of ints in [1, 65536], got {channels!r}")
+        if not isinstance(image_size, int) or isinstance(image_size, bool) or not 1 <= image_size <= 8192:
+            raise ValueError(f"conv tower: image_size must be an int in [1, 8192], got {image_size!r}")
         channels = [int(c) for c in channels]
         if not channels or image_size % (2 ** len(channels)):
             raise ValueError(

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _minimal(**extra) -> dict:
     raw = {
         "model": {"tiny": {"hidden_size": 32}},
-        "encoder": {"tower": {"name": "gin"}},
-        "data": {"source": "graphs"},
+        "encoder": {"tower": {"name": "gin"}, "projector": {"name": "linear"}},
+        "data": {"source": "graphs", "prompt": "<graph>"},
     }
     raw.update(extra)
     return raw
@@ -256,3 +256,108 @@ def test_real_recipe_loads_local_weights_and_trains_a_step(name, family, standin
     assert summary["steps"] == 1 and summary["eval"]["n"] == 2
     meta = json.loads((tmp_path / "out" / "checkpoints" / "step_1" / "meta.json").read_text())
     assert meta["llm_dir"] == str(llm.resolve())  # align: the local LLM dir is served as is
+
+
+# ------------------------------------------------------------------ errors before work, all at once
+def _shapes_recipe(tmp_path: Path, **edits) -> Path:
+    raw = yaml.safe_load((ROOT / "recipes" / "demo" / "shapes.yaml").read_text())
+    for key, value in edits.items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_every_recipe_problem_in_one_message_before_anything_is_written(tmp_path, capsys):
+    from bridge.cli import main
+
+    path = _shapes_recipe(
+        tmp_path,
+        **{
+            "encoder.tower": {
+                "name": "open_clip",
+                "arch": "bridge-tiny-vit",
+                "pretrained": "weights/clip.bin",
+            },
+            "encoder.projector": {"name": "mpl"},
+            "data.prompt": "describe:",
+            "model.tiny.hidden_sise": 64,
+        },
+    )
+    out = tmp_path / "out"
+    overrides = ["train.lr=.nan", "train.batch_size=1000000000", "data.num_train=-5"]
+    assert main(["train", str(path), "--output-dir", str(out), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and not out.exists()  # nothing written, base_model included
+    expected = [
+        f"encoder.tower: open_clip tower: pretrained file {tmp_path / 'weights' / 'clip.bin'} does not exist",
+        "encoder.projector: unknown projector name 'mpl' (did you mean 'mlp'?)",
+        "data.prompt: 'describe:' has no <image> placeholder",
+        "unknown key 'model.tiny.hidden_sise' (did you mean 'model.tiny.hidden_size'?)",
+        "train.lr: must be a finite number, got nan",
+        "train.batch_size: must be <= 65536, got 1000000000",
+        "data.num_train: must be >= 0, got -5",
+    ]
+    for line in expected:
+        assert line in err, (line, err)
+    assert err.startswith(f"bridge: {len(expected)} problems in recipe {path}:")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=.inf", "train.lr: must be a finite number, got inf"),
+        ("train.lr=0", "train.lr: must be > 0, got 0.0"),
+        ("train.grad_accum_steps=-1", "train.grad_accum_steps: must be >= 1, got -1"),
+        ("eval.max_tokens=10000000", "eval.max_tokens: must be <= 65536"),
+        ("train.lora.dropout=.nan", "train.lora.dropout: must be a finite number"),
+        ("train.betas=[0.9, 2]", "train.betas: expected two numbers in [0, 1)"),
+        ("model.tiny.num_layers=-2", "model.tiny.num_layers: must be >= 1, got -2"),
+        ("model.tiny.hidden_size=big", "model.tiny.hidden_size: expected int, got str"),
+        ("encoder.tower.channels=[16, -8, 64]", "encoder.tower: conv tower: channels must be a list of ints"),
+        ("encoder.tower.chanels=[8]", "encoder.tower: tower 'conv': unknown config key(s) ['chanels']"),
+    ],
+)
+def test_values_out_of_range_are_refused_naming_the_key(override, message):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(ROOT / "recipes" / "demo" / "shapes.yaml", [override])
+    assert message in str(info.value)
+
+
+def test_relative_paths_resolve_against_the_recipe_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"graph": "g.json", "text": "a ring"}\n')
+    (folder / "g.json").write_text('{"num_nodes": 3, "edges": [[0, 1], [1, 2], [2, 0]]}')
+    recipe = folder / "r.yaml"
+    raw = _minimal(
+        data={"source": "jsonl", "train": "train.jsonl", "eval": "missing.jsonl", "prompt": "<graph>"}
+    )
+    recipe.write_text(yaml.safe_dump(raw))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(
+        RecipeError, match=rf"data\.eval: file or directory not found: {folder / 'missing.jsonl'}"
+    ):
+        load_recipe(recipe)
+    r = load_recipe(recipe, ["data.eval=null"])
+    assert r.data.train == str(folder / "train.jsonl")
+    # a path typed on the command line is relative to where it was typed
+    (elsewhere / "other.jsonl").write_text('{"graph": "g.json", "text": "x"}\n')
+    assert load_recipe(recipe, ["data.eval=other.jsonl"]).data.eval == str(elsewhere / "other.jsonl")
+
+
+def test_usage_shows_overrides_as_optional(capsys):
+    from bridge.cli import main
+
+    for argv in (["train"], ["demo"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "[key.sub=value ...]" in err and "required: key.sub" not in err

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from encoders.registry import resolve_reference
+
 
 def build_datasets(data: Mapping[str, Any], seed: int) -> tuple[Any, Any]:
     """The training set and the held-out set named by a validated recipe's `data` section."""
@@ -31,6 +33,8 @@ def build_datasets(data: Mapping[str, Any], seed: int) -> tuple[Any, Any]:
 
 
 def _synthetic_class(source: str):
+    if ":" in source:  # "package.module:ClassName": a dataset class of the user's own
+        return resolve_reference(source, "data.source")
     if source == "shapes":
         from bridge.data.synthetic_shapes import ShapesDataset
 

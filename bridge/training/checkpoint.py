@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from encoders.checkpoint import save_encoder
+
 #: test hook: "STEP:SECONDS" sleeps that long in the middle of saving step STEP (after some files
 #: are written, before the rename), so a test can kill the process mid-save.
 SLEEP_HOOK_ENV = "BRIDGE_TEST_SLEEP_IN_SAVE"
@@ -338,14 +340,9 @@ def sub_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
 
 
 def save_encoder_state(encoder: Any, state: dict[str, torch.Tensor], directory: Path) -> None:
-    """Write an encoder checkpoint (the format of `encoders.checkpoint.save_encoder`) from full
-    tensors, so a sharded encoder (whose own state dict holds shards) saves the same files."""
-    from encoders.checkpoint import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME
-
-    directory.mkdir(parents=True, exist_ok=True)
-    save_tensors(directory / WEIGHTS_NAME, state)
-    config = {"bridge_encoder_format": FORMAT_VERSION, **encoder.config}
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+    """Write an encoder checkpoint from full tensors, so a sharded encoder (whose own state dict
+    holds shards) saves the same files; the one writer is `encoders.checkpoint.save_encoder`."""
+    save_encoder(encoder, directory, state=state)
 
 
 def merged_llm_state(llm: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from bridge.dtypes import DTYPES
 from bridge.training.lora import apply_lora
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from encoders.api import build_encoder
 
 
 def dataset_vocab_words(dataset) -> list[str]:
@@ -54,6 +54,7 @@ def load_llm(llm_dir: str | Path, dtype: str):
 
 def encoder_config(recipe, hidden_size: int) -> dict:
     cfg = copy.deepcopy(dict(recipe.encoder))
+    cfg.setdefault("imports", list(recipe.get("imports") or []))  # recorded in the checkpoint
     given = cfg.setdefault("llm_hidden_size", hidden_size)
     if given != hidden_size:
         raise ValueError(f"encoder.llm_hidden_size is {given} but the LLM's hidden size is {hidden_size}")
@@ -61,8 +62,6 @@ def encoder_config(recipe, hidden_size: int) -> dict:
 
 
 def build_recipe_encoder(recipe, hidden_size: int):
-    from encoders.api import build_encoder
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe.seed)
         return build_encoder(encoder_config(recipe, hidden_size))

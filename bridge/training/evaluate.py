@@ -1,5 +1,8 @@
 """End-of-run evaluation: generate for held-out items through runner.LLM with prompt embeds
-(via `Bridge`, the same path users call) and score exact match against the targets."""
+(via `Bridge`, the same path users call) and score exact match against the targets.
+
+eval.json keeps the first `num_samples` generations and every miss (target and output), so a
+score below 1.0 can be read item by item."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import Any
 
 import torch
 
+from bridge.api import Bridge
 from bridge.data.example import normalize_text
 
 
@@ -23,7 +27,7 @@ def evaluate_bridge(
     for start in range(0, n, chunk):
         part = examples[start : start + chunk]
         outs = bridge.generate(
-            [{"text": ex.prompt, **ex.media} for ex in part], max_tokens=max_tokens, temperature=0.0
+            [{"prompt": ex.prompt, **ex.media} for ex in part], max_tokens=max_tokens, temperature=0.0
         )
         texts.extend(o.outputs[0].text for o in outs)
     hits = [normalize_text(t) == normalize_text(ex.target) for t, ex in zip(texts, examples)]
@@ -31,14 +35,23 @@ def evaluate_bridge(
         {"prompt": ex.prompt, "target": ex.target, "output": t, "match": h}
         for ex, t, h in list(zip(examples, texts, hits))[:num_samples]
     ]
-    return {"exact_match": sum(hits) / n, "n": n, "samples": samples}
+    misses = [
+        {"index": i, "prompt": ex.prompt, "target": ex.target, "output": t}
+        for i, (ex, t, h) in enumerate(zip(examples, texts, hits))
+        if not h
+    ]
+    return {
+        "exact_match": sum(hits) / n,
+        "n": n,
+        "num_misses": len(misses),
+        "samples": samples,
+        "misses": misses,
+    }
 
 
 def evaluate_checkpoint(
     ckpt: str | Path, dataset, eval_cfg, device: torch.device, out_path: str | Path | None = None
 ) -> dict[str, Any]:
-    from bridge.api import Bridge
-
     bridge = Bridge.from_checkpoint(ckpt, device=device, enforce_eager=eval_cfg.enforce_eager)
     report = evaluate_bridge(
         bridge,

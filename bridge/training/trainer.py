@@ -6,6 +6,11 @@ step, so resuming from step_N continues exactly where the run was: same step cou
 samples. Under torchrun every rank runs this loop on its slice of each global batch; DDP (or
 FSDP2 when the LLM is unfrozen, see fsdp.py) averages gradients; rank 0 alone writes files and
 runs the evaluation.
+
+What a run tells its user: "resumed from step N" first when it resumes; a held-out loss every
+`eval.every` steps next to the training loss; at the end the elapsed time and where eval.json,
+loss.png and the last checkpoint are. Ctrl-C stops with the step reached and the checkpoint a
+rerun resumes from (`TrainingInterrupted`); rerunning a finished run says it is complete.
 """
 
 from __future__ import annotations
@@ -13,14 +18,27 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from tqdm import tqdm
+from transformers.utils import logging as hf_logging
 
 from bridge.data.sources import build_datasets
-from bridge.recipe import Node, dump_recipe
+from bridge.recipe import (
+    FROZEN_ON_RESUME,
+    Node,
+    default_output_dir,
+    describe_change,
+    dump_recipe,
+    frozen_changes,
+    recipe_changes,
+)
 from bridge.training import checkpoint as ckpt_io
 from bridge.training.batching import collate_examples
 from bridge.training.components import (
@@ -40,6 +58,7 @@ from bridge.training.distributed import (
     pick_device,
     shutdown,
 )
+from bridge.training.evaluate import evaluate_checkpoint
 from bridge.training.fsdp import (
     FullState,
     gather_full_state,
@@ -51,13 +70,49 @@ from bridge.training.fsdp import (
     wrap_for_training,
 )
 from bridge.training.model import BridgeModel
-from bridge.training.plots import plot_loss
+from bridge.training.plots import plot_loss, read_metrics
 from bridge.training.sampler import ResumableSampler
 from bridge.training.schedule import build_scheduler
 
+__all__ = ["Trainer", "TrainingInterrupted", "default_output_dir", "train"]
 
-def default_output_dir(recipe: Node) -> Path:
-    return Path(recipe.output_dir) if recipe.output_dir else Path("runs") / recipe.name
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: carries the step reached and the checkpoint a rerun resumes from."""
+
+    def __init__(self, step: int, last_checkpoint: Path | None):
+        self.step = step
+        self.last_checkpoint = last_checkpoint
+        if last_checkpoint is None:
+            where = "there is no checkpoint yet; rerun the same command to start again"
+        else:
+            where = (
+                f"the last checkpoint is step {last_checkpoint.name.removeprefix('step_')} "
+                f"({last_checkpoint}); rerun the same command to resume"
+            )
+        super().__init__(f"interrupted at step {step}; {where}")
+
+
+class ResumeMismatch(ValueError):
+    """The recipe differs from the checkpoint's in keys a resume cannot change (without --force)."""
+
+
+def _say(text: str) -> None:
+    """A status line for the person at the terminal (stderr, so stdout stays the JSON summary)."""
+    tqdm.write(text, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _quiet_hf_progress() -> Iterator[None]:
+    """transformers' own bars (writing shards at a checkpoint, loading weights) would break the
+    training bar's line; off while a run is going, restored after."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 class Trainer:
@@ -131,6 +186,8 @@ class Trainer:
         )
         self.step = 0
         self.resumed_from: Path | None = None
+        #: "key: old -> new" lines against the resumed checkpoint's recipe (see check_resume)
+        self.setting_changes: list[str] = []
         if tr.resume:
             last = ckpt_io.resumable_checkpoint(self.output_dir)
             if last is not None:
@@ -202,46 +259,123 @@ class Trainer:
         self.step += 1
         return mean_across_ranks(value, self.dist, self.device)
 
+    @torch.no_grad()
+    def held_out_loss(self) -> float | None:
+        """Mean loss over the first `eval.loss_items` held-out items (every rank computes the same
+        slice, so a DDP / FSDP forward stays in step); None without an eval set."""
+        if self.eval_set is None or len(self.eval_set) == 0:
+            return None
+        n = min(self.recipe.eval.loss_items, len(self.eval_set))
+        size = self.recipe.train.batch_size
+        self.train_module.eval()  # train_step switches back
+        total = None
+        for start in range(0, n, size):
+            examples = [self.eval_set[i] for i in range(start, min(n, start + size))]
+            batch = collate_examples(examples, self.tokenizer, self.encoders).to(self.device)
+            with self._autocast():
+                loss = self.train_module(batch).detach() * len(examples)
+            total = loss if total is None else total + loss
+        return float(total) / n
+
+    def _write_metrics(self, path: Path, row: dict) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _artifacts(self) -> dict[str, Any]:
+        eval_json = self.output_dir / "eval.json"
+        loss_png = self.output_dir / "loss.png"
+        return {
+            "eval_json": str(eval_json) if eval_json.is_file() else None,
+            "loss_png": str(loss_png) if loss_png.is_file() else None,
+        }
+
+    def _already_complete(self, metrics_path: Path, t0: float) -> dict[str, Any]:
+        """A rerun of a finished run: say so, train nothing, report what the run left."""
+        last = self.resumed_from
+        losses = [r["loss"] for r in read_metrics(metrics_path) if "loss" in r]
+        if self.dist.is_main:
+            _say(
+                f"run already complete: step {self.step} of train.max_steps={self.recipe.train.max_steps} "
+                f"({last}); nothing to train. Raise train.max_steps to train further, or pass a new "
+                f"--output-dir for a fresh run."
+            )
+            if self.setting_changes:
+                _say("settings changed since that checkpoint:\n  " + "\n  ".join(self.setting_changes))
+        summary: dict[str, Any] = {
+            "already_complete": True,
+            "steps": self.step,
+            "final_loss": losses[-1] if losses else None,
+            "checkpoint": str(last),
+            "output_dir": str(self.output_dir),
+            "resumed_from": str(last),
+        }
+        eval_json = self.output_dir / "eval.json"
+        if self.dist.is_main and eval_json.is_file():
+            summary["eval"] = json.loads(eval_json.read_text())
+        elif self.dist.is_main and self.recipe.eval.enabled and self.eval_set is not None:
+            summary["eval"] = evaluate_checkpoint(
+                last, self.eval_set, self.recipe.eval, self.device, eval_json
+            )
+        barrier(self.dist)
+        summary.update(self._artifacts(), elapsed_s=round(time.perf_counter() - t0, 2))
+        return summary
+
     def run(self) -> dict[str, Any]:
         tr = self.recipe.train
+        t0 = time.perf_counter()
         metrics_path = self.output_dir / "metrics.jsonl"
         if self.dist.is_main:
             dump_recipe(self.recipe, self.output_dir / "recipe.yaml")
             _truncate_metrics(metrics_path, self.step)
+        if self.resumed_from is not None and self.step >= tr.max_steps:
+            return self._already_complete(metrics_path, t0)
+        if self.dist.is_main and self.resumed_from is not None:
+            _say(f"resumed from step {self.step} ({self.resumed_from})")
+            if self.setting_changes:
+                _say("settings changed since that checkpoint:\n  " + "\n  ".join(self.setting_changes))
         bar = None
         if self.dist.is_main and tr.progress:
-            from tqdm import tqdm
-
             bar = tqdm(total=tr.max_steps, initial=self.step, desc=f"train {self.recipe.name}", unit="step")
         global_batch = tr.batch_size * tr.grad_accum_steps * self.dist.world_size
-        t0 = time.perf_counter()
+        eval_every = self.recipe.eval.every
         steps_done = 0
         last_loss = math.nan
-        while self.step < tr.max_steps:
-            lr = self.optimizer.param_groups[0]["lr"]
-            last_loss = self.train_step()
-            steps_done += 1
-            if self.dist.is_main and (self.step % tr.log_every == 0 or self.step == tr.max_steps):
-                elapsed = time.perf_counter() - t0
-                row = {
-                    "step": self.step,
-                    "loss": round(last_loss, 6),
-                    "lr": lr,
-                    "samples_per_s": round(steps_done * global_batch / max(elapsed, 1e-9), 2),
-                }
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+        try:
+            while self.step < tr.max_steps:
+                lr = self.optimizer.param_groups[0]["lr"]
+                last_loss = self.train_step()
+                steps_done += 1
+                if self.dist.is_main and (self.step % tr.log_every == 0 or self.step == tr.max_steps):
+                    elapsed = time.perf_counter() - t0
+                    row = {
+                        "step": self.step,
+                        "loss": round(last_loss, 6),
+                        "lr": lr,
+                        "samples_per_s": round(steps_done * global_batch / max(elapsed, 1e-9), 2),
+                    }
+                    self._write_metrics(metrics_path, row)
+                if eval_every and self.step % eval_every == 0:
+                    held_out = self.held_out_loss()
+                    if held_out is not None and self.dist.is_main:
+                        self._write_metrics(
+                            metrics_path, {"step": self.step, "eval_loss": round(held_out, 6)}
+                        )
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")
+                if tr.checkpoint_every and self.step % tr.checkpoint_every == 0 and self.step < tr.max_steps:
+                    self.save_checkpoint()
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")
-            if tr.checkpoint_every and self.step % tr.checkpoint_every == 0 and self.step < tr.max_steps:
-                self.save_checkpoint()
-        if bar is not None:
-            bar.close()
-        final = self.save_checkpoint()
+                bar.close()
+                bar = None
+            final = self.save_checkpoint()
+        except KeyboardInterrupt:
+            if bar is not None:
+                bar.close()
+            raise TrainingInterrupted(self.step, ckpt_io.latest_checkpoint(self.output_dir)) from None
         summary: dict[str, Any] = {
             "steps": self.step,
-            "final_loss": last_loss,
+            "final_loss": last_loss if math.isfinite(last_loss) else None,
             "checkpoint": str(final),
             "output_dir": str(self.output_dir),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
@@ -249,12 +383,11 @@ class Trainer:
         if self.dist.is_main:
             plot_loss(metrics_path, self.output_dir / "loss.png", title=self.recipe.name)
             if self.recipe.eval.enabled and self.eval_set is not None:
-                from bridge.training.evaluate import evaluate_checkpoint
-
                 summary["eval"] = evaluate_checkpoint(
                     final, self.eval_set, self.recipe.eval, self.device, self.output_dir / "eval.json"
                 )
         barrier(self.dist)
+        summary.update(self._artifacts(), elapsed_s=round(time.perf_counter() - t0, 2))
         return summary
 
     # ------------------------------------------------------------------ checkpoints
@@ -341,10 +474,42 @@ def _truncate_metrics(path: Path, step: int) -> None:
     ckpt_io.truncate_metrics(path, step)
 
 
-def train(recipe: Node, output_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run a recipe end to end (what `bridge train` calls)."""
-    trainer = Trainer(recipe, output_dir)
-    try:
-        return trainer.run()
-    finally:
-        shutdown(trainer.dist)
+def check_resume(recipe: Node, output_dir: str | Path, force: bool = False) -> list[str]:
+    """Before a run resumes: the keys that differ from the newest checkpoint's recipe, as lines
+    "key: old -> new". A change of model, encoder architecture or data (the keys of
+    FROZEN_ON_RESUME) raises ResumeMismatch unless `force`; other changes are only reported."""
+    if not recipe.train.resume:
+        return []
+    last = ckpt_io.latest_checkpoint(output_dir)
+    saved = last / "recipe.yaml" if last is not None else None
+    if saved is None or not saved.is_file():
+        return []
+    old = yaml.safe_load(saved.read_text()) or {}
+    changes = recipe_changes(old, recipe.to_dict())
+    lines = [describe_change(*c) for c in changes]
+    frozen = frozen_changes(changes)
+    if frozen and not force:
+        raise ResumeMismatch(
+            f"{output_dir} holds a run whose checkpoint {last.name} was trained with other settings "
+            f"of {', '.join(p.rstrip('.') for p in FROZEN_ON_RESUME)}; resuming would mix them:\n  "
+            + "\n  ".join(describe_change(*c) for c in changes if c[0] in frozen)
+            + "\nUse another --output-dir, restore the settings, or pass --force to resume anyway."
+        )
+    return lines
+
+
+def train(recipe: Node, output_dir: str | Path | None = None, force: bool = False) -> dict[str, Any]:
+    """Run a recipe end to end (what `bridge train` calls). Resuming with changed settings prints
+    them (and refuses model / encoder / data changes unless `force`) before anything is written."""
+    t0 = time.perf_counter()
+    out = Path(output_dir) if output_dir else default_output_dir(recipe)
+    changes = check_resume(recipe, out, force=force)
+    with _quiet_hf_progress():
+        trainer = Trainer(recipe, out)
+        trainer.setting_changes = changes
+        try:
+            summary = trainer.run()
+        finally:
+            shutdown(trainer.dist)
+    summary["elapsed_s"] = round(time.perf_counter() - t0, 2)  # set-up and evaluation included
+    return summary

@@ -1,0 +1,9 @@
+"""Registers the built-in towers, projectors and preprocessors by importing their modules once.
+
+The package imports this on its own import, so every lookup sees the built-ins; open_clip,
+torchaudio and transformers stay imported lazily inside the towers that need them.
+"""
+
+from encoders import audio_towers, graph_tower, projectors, vision_towers
+
+__all__ = ["audio_towers", "graph_tower", "projectors", "vision_towers"]
