@@ -447,7 +447,7 @@ def _check_tiny(tiny: Mapping, problems: list[str]) -> None:
 
 def _llm_hidden_size(r: Node, problems: list[str]) -> int | None:
     """The LLM's hidden size from model.tiny or model.path's config.json (None when unknown)."""
-    if r.model.tiny is not None:
+    if isinstance(r.model.tiny, Mapping):
         hidden = r.model.tiny.get("hidden_size", TINY_DEFAULT_HIDDEN)
         return hidden if isinstance(hidden, int) and not isinstance(hidden, bool) and hidden > 0 else None
     if r.model.path is None or not Path(r.model.path).exists():
@@ -517,7 +517,7 @@ def _check_semantics(r: Node, problems: list[str]) -> None:
     """Cross-field rules that a per-key schema cannot express."""
     if (r.model.path is None) == (r.model.tiny is None):
         problems.append("model: set exactly one of model.path (a local HF model dir) or model.tiny")
-    if r.model.tiny is not None:
+    if isinstance(r.model.tiny, Mapping):  # another type is already reported by the schema check
         _check_tiny(r.model.tiny, problems)
     if r.encoder is None:
         problems.append("encoder: missing (the encoder config for encoders.api.build_encoder)")
@@ -535,12 +535,13 @@ def _check_semantics(r: Node, problems: list[str]) -> None:
     if r.stage == "align" and (r.train.trainable.llm or r.train.lora.enabled):
         problems.append("stage align keeps the LLM frozen: use stage finetune to train the LLM or LoRA")
     targets = r.train.lora.targets
-    if not (isinstance(targets, str) or all(isinstance(t, str) for t in targets)):
+    if not (isinstance(targets, str)
+            or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
         problems.append(f"train.lora.targets: expected module names, got {_show(targets)}")
 
 
 def _import_user_modules(r: Node, base_dir: Path | None, problems: list[str]) -> None:
-    if not all(isinstance(spec, str) for spec in r.imports):
+    if not isinstance(r.imports, list) or not all(isinstance(spec, str) for spec in r.imports):
         problems.append(f"imports: expected module names or .py paths, got {_show(r.imports)}")
         return
     resolved = []
