@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import platform
 import statistics
@@ -51,6 +50,7 @@ from generate import (  # noqa: E402
     run_hf_generate,
     sync,
     workload,
+    write_results,
 )
 
 from bridge.tiny_families import build_family_model  # noqa: E402
@@ -180,13 +180,7 @@ def main() -> int:
         print(f"{entry['model']:<20}{entry['bridge_tok_s']:>14.0f}{entry['hf_tok_s']:>11.0f}"
               f"{(f'{roof:.0f}' if roof else '-'):>11}{entry['bridge_over_hf']:>8.1f}"
               f"{(format(entry['bridge_over_roofline'], '.0%') if roof else '-'):>9}")
-    out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = os.path.join(os.environ["OUT"], "families_benchmark.json")
-    if out:
-        pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(out).write_text(json.dumps(results, indent=2))
-        print(f"wrote {out}")
+    write_results(results, args.out, "families_benchmark.json")
     return 0
 
 

@@ -161,6 +161,16 @@ def run_hf_generate(model, embeds: list[torch.Tensor], output_lens: list[int], d
     return {"tok_s": useful / t_total, "seconds": t_total, "output_tokens": useful}
 
 
+def write_results(results: dict, out: str | None, default_name: str) -> None:
+    """Write `results` as JSON to `out`, or to $OUT/default_name when $OUT is set (device runs)."""
+    if out is None and os.environ.get("OUT"):
+        out = os.path.join(os.environ["OUT"], default_name)
+    if out:
+        pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(out).write_text(json.dumps(results, indent=2))
+        print(f"wrote {out}")
+
+
 def token_match(a: list[list[int]], b: list[list[int]]) -> float:
     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     return same / max(1, sum(len(r) for r in a))
@@ -410,13 +420,7 @@ def main() -> int:
         if "hf_note" in e:
             print(f"{name}: {e['hf_note']}")
 
-    out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = os.path.join(os.environ["OUT"], "generate_benchmark.json")
-    if out:
-        pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(out).write_text(json.dumps(results, indent=2))
-        print(f"wrote {out}")
+    write_results(results, args.out, "generate_benchmark.json")
     return 0
 
 

@@ -27,7 +27,6 @@ Writes JSON to `--out`, else `$OUT/moe_benchmark.json` when `$OUT` is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
@@ -44,7 +43,7 @@ for p in (BENCH.parent, BENCH):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from generate import log, measure_copy_bandwidth  # noqa: E402
+from generate import log, measure_copy_bandwidth, write_results  # noqa: E402
 
 from runner.layers import moe_grouped  # noqa: E402
 
@@ -171,13 +170,7 @@ def main() -> int:
             v = row.get(c)
             cells.append(f"{'-':>24}" if v is None else (f"{v:>24.1f}" if c.endswith("_us") else f"{v:>24}"))
         print("".join(cells))
-    out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = os.path.join(os.environ["OUT"], "moe_benchmark.json")
-    if out:
-        pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(out).write_text(json.dumps(results, indent=2))
-        print(f"wrote {out}")
+    write_results(results, args.out, "moe_benchmark.json")
     return 0
 
 
