@@ -116,6 +116,22 @@ class PromptProcessor:
                 for i, (rid, pp, sp) in enumerate(zip(request_ids, parsed, params))]
 
     # ----------------------------------------------------------------------------- one prompt
+    @staticmethod
+    def _token_ids(i: int, ids: Any) -> list[int] | None:
+        """`prompt_token_ids` as a list of ints (None stays None); anything else is a ValueError."""
+        if ids is None:
+            return None
+        if isinstance(ids, torch.Tensor):
+            check_dense_tensor(ids, f"prompt {i}: prompt_token_ids")
+            if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+                raise ValueError(f"prompt {i}: prompt_token_ids must be a 1-D integer tensor or a list of "
+                                 "ints")
+            ids = ids.tolist()
+        if (not isinstance(ids, Sequence) or isinstance(ids, str | bytes)
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
+        return list(ids)
+
     def _check_ids(self, i: int, ids: Sequence[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -142,14 +158,7 @@ class PromptProcessor:
         if text is not None and not isinstance(text, str):
             raise ValueError(f"prompt {i}: 'prompt' must be a str")
         embeds = prompt.get("prompt_embeds")
-        ids = prompt.get("prompt_token_ids")
-        if ids is not None:
-            if isinstance(ids, torch.Tensor):
-                check_dense_tensor(ids, f"prompt {i}: prompt_token_ids")
-                ids = ids.tolist()
-            if not isinstance(ids, Sequence) or not all(isinstance(t, int) for t in ids):
-                raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
-            ids = list(ids)
+        ids = self._token_ids(i, prompt.get("prompt_token_ids"))
 
         if embeds is None:
             if "prompt_is_token_ids" in prompt:
@@ -268,11 +277,7 @@ class PromptProcessor:
                 placeholder_ids.setdefault(m, ids[pos])
             placeholder_ids.update({m: 0 for m in mm_data if m not in placeholder_ids})
         else:
-            if isinstance(ids, torch.Tensor):
-                check_dense_tensor(ids, f"prompt {i}: prompt_token_ids")
-            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-            if not all(isinstance(t, int) for t in ids):
-                raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
+            ids = self._token_ids(i, ids)
             placeholder_ids = {m: self.placeholder_id(i, m) for m in mm_data}
             if len(set(placeholder_ids.values())) != len(placeholder_ids):
                 raise ValueError(f"prompt {i}: two modalities share a placeholder token: {placeholder_ids}")

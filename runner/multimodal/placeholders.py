@@ -179,10 +179,16 @@ def expand_mm_prompt(
         item = items[m][used[m]]
         item_where = f"{where}: {m} item {used[m]}"
         used[m] += 1
-        n = item_num_rows(m, item, encoders, hidden_size, item_where, dtype)
         offset = len(out_ids)
-        features.append(make_feature(m, item, PlaceholderRange(offset, n), encoders))
-        mrope_items.append(MRopeItem(offset, n, item_grid(m, item, encoders, n, item_where)))
+        try:  # num_rows, content_hash and grid_thw are the encoder's own code: any error names the item
+            n = item_num_rows(m, item, encoders, hidden_size, item_where, dtype)
+            features.append(make_feature(m, item, PlaceholderRange(offset, n), encoders))
+            mrope_items.append(MRopeItem(offset, n, item_grid(m, item, encoders, n, item_where)))
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a user's encoder may raise anything
+            raise ValueError(f"{item_where}: the {m} encoder failed on it: {type(err).__name__}: "
+                             f"{str(err)[:200]}") from None
         out_ids.extend([int(t)] * n)
         mask.extend([False] * n)
     return ExpandedPrompt(out_ids, torch.tensor(mask, dtype=torch.bool), sort_features(features), mrope_items)
