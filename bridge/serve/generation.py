@@ -169,7 +169,10 @@ class Generation:
             text = self.token_text(token_id)
             out.tokens.append(text)
             out.token_logprobs.append(_finite(entry.get(token_id)))
-            out.top_logprobs.append({self.token_text(t): _finite(v) for t, v in entry.items()})
+            top: dict[str, float | None] = {}
+            for t, v in sorted(entry.items(), key=lambda kv: -kv[1]):  # two ids may share a text: best wins
+                top.setdefault(self.token_text(t), _finite(v))
+            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(text)
         return out

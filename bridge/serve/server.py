@@ -12,7 +12,9 @@ and frees the engine; the process exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,25 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=int, default=0)
 
 
+def _graceful_server_cls():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after its shutdown (the process then dies of the signal);
+        here a signal only starts the graceful shutdown, and the process exits 0 after it."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the engine and serve until a signal; 0 on a clean shutdown."""
     import uvicorn
@@ -140,5 +161,5 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
                             limit_concurrency=None, access_log=False)
-    uvicorn.Server(config).run()
+    _graceful_server_cls()(config).run()
     return 0
