@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from bridge.serve.errors import ApiError, bounded
-from bridge.serve.inputs import ServeLimits, decode_embeds
+from bridge.serve.inputs import ServeLimits, check_text, decode_embeds
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.protocol import (
     AudioPart,
@@ -122,7 +122,8 @@ class ChatRenderer:
                 for j, part in enumerate(content):
                     texts.append(await self._part(part, f"messages[{i}].content[{j}]", media))
                 content = "\n".join(texts)
-            conversation.append({"role": message.role, "content": content or ""})
+            text = check_text(content or "", f"messages[{i}]")
+            conversation.append({"role": message.role, "content": text})
         if sum(map(len, media.values())) > MAX_MEDIA_ITEMS:
             raise ApiError(400, f"at most {MAX_MEDIA_ITEMS} media items per request", param="messages")
         ids = await asyncio.to_thread(self._render, conversation, body)

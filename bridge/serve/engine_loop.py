@@ -178,8 +178,11 @@ class EngineLoop:
                     self.core.add_request(req)
                 sub.prompt_lens = [len(r.prompt_token_ids) for r in requests]
                 added.append((sub, None))
-            except Exception as exc:  # noqa: BLE001 - reported to the submitter (ValueError -> 400)
+            except ValueError as exc:  # the processor names the prompt and field: a 400
                 added.append((sub, exc))
+            except Exception as exc:  # noqa: BLE001 - a tokenizer or encoder choking on the input
+                logger.warning("a submission failed validation with %s", type(exc).__name__, exc_info=True)
+                added.append((sub, ValueError(f"the prompt could not be processed ({type(exc).__name__})")))
         for rid in aborts:
             if self.core.abort(rid) is not None:
                 self.num_aborted += 1

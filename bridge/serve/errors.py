@@ -24,7 +24,7 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
 
 def bounded(text: object, limit: int = MAX_MESSAGE_CHARS) -> str:
     """`text` cut to `limit` characters (callers' input may be echoed inside messages)."""
-    text = str(text)
+    text = str(text).encode("utf-8", "replace").decode("utf-8")  # lone surrogates cannot go out as JSON
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 

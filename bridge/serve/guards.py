@@ -24,6 +24,20 @@ KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/healt
                 "/openapi.json", "/docs")
 
 
+DRAIN_LIMIT_BYTES = 64 * 2**20
+"""After a 413, read (and drop) up to this much of the body, so that the client, which is still
+sending, reads the answer instead of a connection reset; beyond it the connection is dropped."""
+
+
+async def _drain(receive: Receive, limit: int) -> None:
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        seen += len(message.get("body", b""))
+
+
 async def send_error(send: Send, status: int, message: str, kind: str,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
@@ -78,6 +92,7 @@ class Guards:
             if declared > self.max_body_bytes:
                 await send_error(send, 413, f"request body of {declared} bytes is over the limit of "
                                  f"{self.max_body_bytes} bytes", "RequestTooLarge")
+                await _drain(receive, DRAIN_LIMIT_BYTES)
                 return
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
@@ -92,6 +107,8 @@ class Guards:
             if size > self.max_body_bytes:
                 await send_error(send, 413, f"request body is over the limit of {self.max_body_bytes} bytes",
                                  "RequestTooLarge")
+                if message.get("more_body", False):
+                    await _drain(receive, DRAIN_LIMIT_BYTES)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -36,6 +36,17 @@ class ServeLimits:
     enable_prompt_embeds: bool = False
 
 
+def check_text(text: str, where: str) -> str:
+    """A string from the caller that the tokenizer can take: valid Unicode (JSON can smuggle in lone
+    surrogates, which no UTF-8 tokenizer accepts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{where}: the text is not valid Unicode (a lone surrogate?)",
+                       param=where) from None
+    return text
+
+
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None,
                     seed: int | None) -> SamplingParams:
     """The engine's params for one sample of `body` (ValueError from SamplingParams -> 400)."""
@@ -57,6 +68,8 @@ def samples_params(body: CompletionRequest | ChatCompletionRequest, *, max_token
                    limits: ServeLimits) -> list[SamplingParams]:
     """One params per sample (n of them). With a seed, sample j uses seed + j, as vLLM does for n > 1,
     so the n samples differ yet the request is reproducible."""
+    for i, stop in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
+        check_text(stop, f"stop[{i}]")
     if body.n > limits.max_n:
         raise ApiError(400, f"n must be at most {limits.max_n}, got {body.n}", param="n")
     if logprobs is not None and logprobs > MAX_LOGPROBS:
@@ -114,8 +127,11 @@ async def completion_prompts(body: CompletionRequest, *, hidden_size: int, max_m
             items = list(prompt)
         if not items:
             raise ApiError(400, "prompt is an empty list", param="prompt")
-        for item in items:
-            prompts.append(item if isinstance(item, str) else {"prompt_token_ids": list(item)})
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                prompts.append(check_text(item, "prompt" if isinstance(prompt, str) else f"prompt[{i}]"))
+            else:
+                prompts.append({"prompt_token_ids": list(item)})
     if len(prompts) > limits.max_prompts:
         raise ApiError(400, f"at most {limits.max_prompts} prompts per request, got {len(prompts)}",
                        param="prompt")

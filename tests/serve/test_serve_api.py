@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import API_KEY, MAX_PENDING
+from serve_helpers import API_KEY, MAX_PENDING
 
 from bridge import encode_prompt_embeds
 from runner.sampling_params import SamplingParams
@@ -53,8 +53,8 @@ def test_completions_text_ids_and_embeds_equal_offline_greedy(client, offline_ll
     assert [c.text for c in r.choices] == [w.text for w in want]
     assert r.usage.prompt_tokens == 8
 
-    r = client.completions.create(model="tiny", prompt="", extra_body={"prompt_embeds": encode_prompt_embeds(one)},
-                                  **GREEDY)
+    r = client.completions.create(model="tiny", prompt="",
+                                  extra_body={"prompt_embeds": encode_prompt_embeds(one)}, **GREEDY)
     (want,) = _offline(offline_llm, [{"prompt_embeds": one}], **GREEDY)
     assert r.choices[0].text == want.text and r.usage.prompt_tokens == 5
 
@@ -104,7 +104,8 @@ def test_logprobs_match_offline(client, offline_llm):
     for top, row in zip(lp.top_logprobs, want.logprobs):  # keyed by token text, as in OpenAI's API
         assert len(row) >= 3 and set(top) == {decode([t]) for t in row}
     # greedy: the sampled token has the top logprob of its row
-    assert all(max(top.values()) == pytest.approx(t, abs=1e-6) for top, t in zip(lp.top_logprobs, lp.token_logprobs))
+    for top, t in zip(lp.top_logprobs, lp.token_logprobs):
+        assert max(top.values()) == pytest.approx(t, abs=1e-6)
 
 
 def test_chat_text_and_embeds_content_equal_offline(client, offline_llm):
@@ -119,7 +120,8 @@ def test_chat_text_and_embeds_content_equal_offline(client, offline_llm):
     rows = _embeds(4, 9)
     r = client.chat.completions.create(model="tiny", temperature=0.0, max_tokens=8, messages=[
         {"role": "user", "content": [{"type": "text", "text": "x"},
-                                     {"type": "prompt_embeds", "prompt_embeds": encode_prompt_embeds(rows)}]}])
+                                     {"type": "prompt_embeds",
+                                      "prompt_embeds": encode_prompt_embeds(rows)}]}])
     prompt = {"prompt": "x\n<embeds>", "multi_modal_data": {"prompt_embeds": [rows]}}
     (want,) = _offline(offline_llm, [prompt], **GREEDY)
     assert r.choices[0].message.content == want.text
@@ -187,7 +189,8 @@ def test_auth_limits_and_error_shape(text_server):
         assert "version" in http.get("/version").json()
 
         auth = text_server.headers
-        r = http.post("/v1/completions", headers=auth, json={"prompt": [[1, 2]] * 16, "n": 8, "max_tokens": 1})
+        r = http.post("/v1/completions", headers=auth,
+                      json={"prompt": [[1, 2]] * 16, "n": 8, "max_tokens": 1})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert str(MAX_PENDING) in r.json()["error"]["message"]
         r = http.post("/v1/completions", headers=auth, json={"prompt": "hi", "max_tokens": 1000})
@@ -202,7 +205,8 @@ def test_auth_limits_and_error_shape(text_server):
 def test_metrics_count_requests_tokens_and_latency(text_server):
     m = text_server.metrics()
     assert m["bridge:prompt_tokens_total"] > 0 and m["bridge:generation_tokens_total"] > 0
-    assert m["bridge:time_to_first_token_seconds_count"] > 0 and m["bridge:inter_token_latency_seconds_count"] > 0
+    assert m["bridge:time_to_first_token_seconds_count"] > 0
+    assert m["bridge:inter_token_latency_seconds_count"] > 0
     assert m['bridge:http_requests_total{route="/v1/completions",status="200"}'] > 0
     assert m["bridge:prompt_embeds_decode_seconds_count"] >= 4
     assert m["bridge:kv_cache_usage_perc"] == 0.0
