@@ -33,6 +33,7 @@ from bridge.serve.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from runner.engine.request import IncrementalDetokenizer
 from runner.outputs import RequestDelta
 from runner.sampling_params import SamplingParams
 
@@ -48,6 +49,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     last_time: float | None = None
+    detokenizer: IncrementalDetokenizer | None = None
 
 
 class TokenText:
@@ -82,10 +84,18 @@ class Generation:
         self.prompt_lens: list[int] = []
         self.queue: asyncio.Queue | None = None
         self.num_finished = 0
+        # Text: the engine detokenizes token by token only when it must (stop strings, stop ids);
+        # otherwise each delta is detokenized here at once (a decode window's 32 tokens in one call).
+        first = self.params[0] if self.params else None
+        self.engine_text = bool(first and (first.stop_strings or first.stop_token_ids))
+        if not self.engine_text and token_text.tokenizer is not None:
+            for choice, params in zip(self.choices, self.params):
+                choice.detokenizer = IncrementalDetokenizer(token_text.tokenizer, params.skip_special_tokens)
 
     async def submit(self) -> None:
         try:
-            self.queue, lens = await self.loop.submit(self.prompts, self.params, self.ids, stream_text=True,
+            self.queue, lens = await self.loop.submit(self.prompts, self.params, self.ids,
+                                                      stream_text=self.engine_text,
                                                       check_context=self.check_context)
         except QueueFull:
             raise ApiError(503, f"the server has {self.loop.max_pending} requests in flight (its queue "
@@ -104,8 +114,8 @@ class Generation:
     def done(self) -> bool:
         return self.num_finished == len(self.ids)
 
-    async def deltas(self) -> AsyncIterator[tuple[Choice, RequestDelta]]:
-        """Each delta as it arrives, with its choice updated; ends when every request finished."""
+    async def deltas(self) -> AsyncIterator[tuple[Choice, RequestDelta, str]]:
+        """Each delta as it arrives with its new text, its choice updated; ends when all finished."""
         assert self.queue is not None
         while not self.done:
             item = await self.queue.get()
@@ -114,9 +124,10 @@ class Generation:
             if isinstance(item, ShuttingDown):
                 raise ApiError(503, "the server shut down before this request finished",
                                headers={"Retry-After": RETRY_AFTER_S})
-            yield self._apply(item), item
+            choice, text = self._apply(item)
+            yield choice, item, text
 
-    def _apply(self, delta: RequestDelta) -> Choice:
+    def _apply(self, delta: RequestDelta) -> tuple[Choice, str]:
         choice = self.choices[self.index[delta.request_id]]
         now = time.perf_counter()
         if delta.new_token_ids:
@@ -127,8 +138,17 @@ class Generation:
                 for _ in delta.new_token_ids:
                     self.metrics.itl.observe(gap)
             choice.last_time = now
-        choice.text += delta.new_text
         choice.token_ids += delta.new_token_ids
+        text = delta.new_text
+        det = choice.detokenizer
+        if det is not None:
+            before = len(det.text)
+            if delta.new_token_ids:
+                det.step(choice.token_ids)
+            if delta.finished:
+                det.flush(choice.token_ids)
+            text = det.text[before:]
+        choice.text += text
         if delta.new_logprobs:
             choice.logprobs += delta.new_logprobs
         if delta.finished:
@@ -136,7 +156,7 @@ class Generation:
             choice.stop_reason = delta.stop_reason
             self.num_finished += 1
             self.metrics.e2e.observe(now - self.arrival)
-        return choice
+        return choice, text
 
     async def collect(self, raw: Request) -> None:
         """Wait for every request to finish; abort them all if the client disconnects first."""
@@ -190,13 +210,13 @@ class Generation:
             if isinstance(item, str):
                 yield item
                 continue
-            choice, delta = item
+            choice, delta, text = item
             start = len(choice.token_ids) - len(delta.new_token_ids)
             lp = self.completion_logprobs(choice, start, offsets[choice.index])
-            offsets[choice.index] += len(delta.new_text)
+            offsets[choice.index] += len(text)
             chunk = {"id": self.base_id, "object": "text_completion", "created": self.created,
                      "model": self.model,
-                     "choices": [{"index": choice.index, "text": delta.new_text,
+                     "choices": [{"index": choice.index, "text": text,
                                   "logprobs": None if lp is None else lp.model_dump(),
                                   "finish_reason": delta.finish_reason if delta.finished else None,
                                   "stop_reason": delta.stop_reason if delta.finished else None}]}
@@ -246,10 +266,10 @@ class Generation:
             if isinstance(item, str):
                 yield item
                 continue
-            choice, delta = item
+            choice, delta, text = item
             start = len(choice.token_ids) - len(delta.new_token_ids)
             lp = self.chat_logprobs(choice, start, top)
-            content = {"content": delta.new_text} if delta.new_text or not delta.finished else {}
+            content = {"content": text} if text or not delta.finished else {}
             yield chunk(choice.index, content,
                         logprobs=None if lp is None else lp.model_dump(),
                         finish_reason=delta.finish_reason if delta.finished else None,
@@ -259,12 +279,12 @@ class Generation:
                         "model": self.model, "choices": [], "usage": self.usage().model_dump()})
         yield "data: [DONE]\n\n"
 
-    async def _guarded_stream(self) -> AsyncIterator[tuple[Choice, RequestDelta] | str]:
+    async def _guarded_stream(self) -> AsyncIterator[tuple[Choice, RequestDelta, str] | str]:
         """The deltas; an engine-side error becomes one SSE error event (the status line is sent
         already); leaving early (client gone: the generator is closed) aborts what is left."""
         try:
-            async for pair in self.deltas():
-                yield pair
+            async for triple in self.deltas():
+                yield triple
         except ApiError as err:
             yield _sse({"error": {"message": err.message, "type": "ServiceUnavailableError"
                                   if err.status == 503 else "InternalServerError", "param": None,

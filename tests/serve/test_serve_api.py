@@ -84,6 +84,20 @@ def test_streaming_adds_up_to_the_non_streaming_answer(client, text_server):
     assert usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_stop_strings_and_stop_ids_equal_offline(client, offline_llm):
+    (free,) = _offline(offline_llm, ["stop here"], max_tokens=12, temperature=0.0)
+    stop = free.text[3:5] or free.text[-1:]
+    for extra in ({"stop": [stop]}, {"stop_token_ids": [free.token_ids[4]]}):
+        r = client.completions.create(model="tiny", prompt="stop here", max_tokens=12, temperature=0.0,
+                                      **({"stop": extra["stop"]} if "stop" in extra else {"extra_body": extra}))
+        (want,) = _offline(offline_llm, ["stop here"], max_tokens=12, temperature=0.0, **extra)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, want.finish_reason)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt="stop here", max_tokens=12, temperature=0.0, stream=True,
+            **({"stop": extra["stop"]} if "stop" in extra else {"extra_body": extra})))
+        assert streamed == want.text
+
+
 def test_n_with_a_seed_runs_seed_plus_j_like_vllm(client, offline_llm):
     params = {"temperature": 1.0, "max_tokens": 6}
     r = client.completions.create(model="tiny", prompt="seeded", n=3, seed=11, **params)
