@@ -29,7 +29,6 @@ import os
 import pathlib
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,8 +83,9 @@ def free_port() -> int:
 
 def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, log_path: pathlib.Path):
     port = free_port()
-    cmd = [sys.executable, "-m", "bridge", "serve", str(model_dir), "--port", str(port), "--enable-prompt-embeds",
-           "--dtype", dtype, "--log-level", "warning", "--max-pending-requests", "100000",
+    cmd = [sys.executable, "-m", "bridge", "serve", str(model_dir), "--port", str(port),
+           "--enable-prompt-embeds", "--dtype", dtype, "--log-level", "warning",
+           "--max-pending-requests", "100000",
            "--max-prompts-per-request", "1", "--served-model-name", "bench"]
     for key, value in settings.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -148,7 +148,7 @@ async def run_clients(url: str, payloads: list[str], output_lens: list[int], cli
                     chunk = json.loads(line[6:])
                     if chunk.get("usage"):
                         tokens[i] = chunk["usage"]["completion_tokens"]
-                    for choice in chunk.get("choices", []):
+                    if chunk.get("choices"):
                         last = time.perf_counter()
                         first = first or last
             ttft.append(first - sent)
@@ -171,7 +171,8 @@ async def run_clients(url: str, payloads: list[str], output_lens: list[int], cli
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU")
-    ap.add_argument("--clients", default=None, help="comma-separated client counts (GPU 16,64,256; CPU 4,16,32)")
+    ap.add_argument("--clients", default=None,
+                    help="comma-separated client counts (GPU 16,64,256; CPU 4,16,32)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--model-dir", default=None)
     args = ap.parse_args()
@@ -244,8 +245,9 @@ def main() -> int:
                        server_decode_share_of_wall=decode_s / res["seconds"],
                        client_encode_seconds=encode_s * n / n_max)
             results["levels"][str(c)] = res
-            log(f"  {c} clients, {n} requests: {res['tok_s']:.0f} tok/s = {res['fraction_of_offline']:.2f} of "
-                f"offline; TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms p99 {res['ttft_p99_s'] * 1e3:.0f} ms; "
+            log(f"  {c} clients, {n} requests: {res['tok_s']:.0f} tok/s = "
+                f"{res['fraction_of_offline']:.2f} of offline; TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms "
+                f"p99 {res['ttft_p99_s'] * 1e3:.0f} ms; "
                 f"ITL p50 {res['itl_p50_s'] * 1e3:.1f} ms p99 {res['itl_p99_s'] * 1e3:.1f} ms; "
                 f"decode {decode_s:.3f} s")
     finally:
@@ -254,7 +256,9 @@ def main() -> int:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    out = args.out or (os.path.join(os.environ["OUT"], "serve_benchmark.json") if os.environ.get("OUT") else None)
+    out = args.out
+    if out is None and os.environ.get("OUT"):
+        out = os.path.join(os.environ["OUT"], "serve_benchmark.json")
     text = json.dumps(results, indent=2)
     print(text)
     if out:

@@ -88,13 +88,12 @@ def test_stop_strings_and_stop_ids_equal_offline(client, offline_llm):
     (free,) = _offline(offline_llm, ["stop here"], max_tokens=12, temperature=0.0)
     stop = free.text[3:5] or free.text[-1:]
     for extra in ({"stop": [stop]}, {"stop_token_ids": [free.token_ids[4]]}):
-        r = client.completions.create(model="tiny", prompt="stop here", max_tokens=12, temperature=0.0,
-                                      **({"stop": extra["stop"]} if "stop" in extra else {"extra_body": extra}))
+        how = {"stop": extra["stop"]} if "stop" in extra else {"extra_body": extra}
+        r = client.completions.create(model="tiny", prompt="stop here", max_tokens=12, temperature=0.0, **how)
         (want,) = _offline(offline_llm, ["stop here"], max_tokens=12, temperature=0.0, **extra)
         assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, want.finish_reason)
         streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model="tiny", prompt="stop here", max_tokens=12, temperature=0.0, stream=True,
-            **({"stop": extra["stop"]} if "stop" in extra else {"extra_body": extra})))
+            model="tiny", prompt="stop here", max_tokens=12, temperature=0.0, stream=True, **how))
         assert streamed == want.text
 
 
