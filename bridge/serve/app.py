@@ -75,7 +75,8 @@ def build_app(state: ServerState) -> Guards:
     install_error_handlers(app)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != state.model_name:
+        # the served name, or the PATH the server was started with (vLLM's default name)
+        if name is not None and name not in (state.model_name, state.model_root):
             raise ApiError(404, f"the model {bounded(name, 100)!r} does not exist (this server serves "
                            f"{state.model_name!r})", param="model")
 

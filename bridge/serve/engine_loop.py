@@ -148,7 +148,12 @@ class EngineLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            result = await asyncio.to_thread(self._tick, subs, aborts)
+            try:
+                result = await asyncio.to_thread(self._tick, subs, aborts)
+            except Exception:  # noqa: BLE001 - a bug in a tick must not silently stall every client
+                logger.exception("engine tick failed; failing the requests it held")
+                self._fail_all(subs)
+                continue
             self._deliver(result)
 
     def _tick(self, subs: list[Submission], aborts: list[str]) -> _TickResult:
@@ -200,6 +205,18 @@ class EngineLoop:
                     self.core.abort(rid)
                 self.core.in_flight = None
         return _TickResult(added, deltas, self._snapshot(), error, items, hits)
+
+    def _fail_all(self, subs: list[Submission]) -> None:
+        for sub in subs:
+            if not sub.future.done():
+                sub.future.set_exception(EngineFailed("tick"))
+        for rid in list(self._live):
+            queue = self._queues.pop(rid, None)
+            if queue is not None:
+                queue.put_nowait(EngineFailed("tick"))
+        with self._lock:
+            self._aborts.extend(self._live)
+        self._live.clear()
 
     def _snapshot(self) -> EngineSnapshot:
         s, cache = self.core.scheduler, self.llm.mm.cache
