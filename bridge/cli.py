@@ -3,6 +3,7 @@
     bridge train RECIPE [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge demo {shapes,tones,graphs} [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge defaults [RECIPE]             # every recipe key with its default, and the registered parts
+    bridge serve PATH [--port N] [...]   # OpenAI-compatible server (bridge.serve; `serve` extra)
 
 `--nproc N` (N > 1) re-launches the same command under torchrun with N processes (DDP, or FSDP2
 when the LLM is unfrozen: `train.distributed`);
@@ -65,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     defaults.add_argument(
         "recipe", nargs="?", default=None, help="also import this recipe's `imports` (custom parts)"
     )
+    serve = sub.add_parser("serve", help="serve a model dir or a trained run over an OpenAI-compatible API")
+    try:
+        from bridge.serve.server import add_serve_arguments
+    except ImportError:  # the `serve` extra is not installed: the command says so when run
+        serve.add_argument("rest", nargs=argparse.REMAINDER)
+    else:
+        add_serve_arguments(serve)
     return parser
 
 
@@ -150,9 +158,25 @@ def _defaults(recipe: str | None) -> int:
     return 0
 
 
+def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    try:
+        from bridge.serve.server import serve
+    except ImportError as exc:
+        print(f"bridge: serve needs the server extra: pip install -e \".[serve]\" ({exc})", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    try:
+        return serve(args)
+    except ValueError as exc:
+        print(f"bridge: serve: {str(exc)[:500]}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
+    if argv[:1] == ["serve"]:
+        return _serve(parser, argv)
     args, extra = parser.parse_known_args(argv)
     if args.command == "defaults":
         if extra:
