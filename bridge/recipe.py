@@ -188,6 +188,12 @@ SCHEMA: dict[str, Any] = {
         "max_tokens": Field(16, "Max new tokens per item.", (int,)),
         "num_samples": Field(10, "Sample generations stored in eval.json.", (int,)),
         "enforce_eager": Field(False, "Passed to runner.LLM (no CUDA graphs).", (bool,)),
+        "backend": Field(
+            None,
+            "null: evaluate in-process. An http(s):// URL: generate on that vLLM-compatible server "
+            "(vLLM --enable-prompt-embeds, or bridge serve) running the same base LLM; encoders stay here.",
+            (str, type(None)),
+        ),
     },
 }
 
@@ -320,6 +326,8 @@ def _check_semantics(r: Node) -> None:
         raise RecipeError(
             "train.lora.enabled and train.trainable.llm are exclusive: LoRA adapts a frozen LLM"
         )
+    if r.eval.backend is not None and not r.eval.backend.startswith(("http://", "https://")):
+        raise RecipeError(f"eval.backend: expected null or an http(s):// URL, got {r.eval.backend[:200]!r}")
     if r.stage == "align" and (r.train.trainable.llm or r.train.lora.enabled):
         raise RecipeError("stage align keeps the LLM frozen: use stage finetune to train the LLM or LoRA")
 
