@@ -4,6 +4,7 @@
     bridge demo {shapes,tones,graphs} [--output-dir DIR] [key.sub=value ...]
     bridge eval RUN [--backend URL]      # evaluate a run's newest checkpoint (or a checkpoint dir)
     bridge defaults                      # every recipe key with its default and meaning
+    bridge serve PATH [--port N] [...]   # OpenAI-compatible server (bridge.serve; `serve` extra)
 
 `--nproc N` (N > 1) re-launches the same command under torchrun with N processes (DDP, or FSDP2
 when the LLM is unfrozen: `train.distributed`);
@@ -49,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=None, help="max new tokens (default: the recipe's)")
     ev.add_argument("--device", default=None, help="where the encoders (and a local LLM) run")
     ev.add_argument("--output", default=None, help="write the full report (with samples) to this JSON file")
+    serve = sub.add_parser("serve", help="serve a model dir or a trained run over an OpenAI-compatible API")
+    try:
+        from bridge.serve.server import add_serve_arguments
+    except ImportError:  # the `serve` extra is not installed: the command says so when run
+        serve.add_argument("rest", nargs=argparse.REMAINDER)
+    else:
+        add_serve_arguments(serve)
     return parser
 
 
@@ -109,9 +117,25 @@ def _launch_torchrun(argv: Sequence[str], nproc: int) -> int:
     return subprocess.call(cmd)
 
 
+def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    try:
+        from bridge.serve.server import serve
+    except ImportError as exc:
+        print(f"bridge: serve needs the server extra: pip install -e \".[serve]\" ({exc})", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    try:
+        return serve(args)
+    except ValueError as exc:
+        print(f"bridge: serve: {str(exc)[:500]}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
+    if argv[:1] == ["serve"]:
+        return _serve(parser, argv)
     args, extra = parser.parse_known_args(argv)
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
     if bad:

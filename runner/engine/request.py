@@ -66,6 +66,17 @@ class IncrementalDetokenizer:
             return new_text
         return ""
 
+    def flush(self, output_ids: list[int]) -> None:
+        """The request ended: add what was held back (a trailing incomplete character decodes as
+        U+FFFD, as a one-shot decode of the ids gives), so the text equals the full decode."""
+        decode = self.tokenizer.decode
+        prefix = decode(output_ids[self.prefix_offset : self.read_offset],
+                        skip_special_tokens=self.skip_special_tokens)
+        full = decode(output_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+        self.prefix_offset = self.read_offset = len(output_ids)
+
 
 @dataclass
 class Request:
@@ -215,8 +226,15 @@ class Request:
 
         EOS and stop tokens stay in `token_ids` (not in the text); a stop string is trimmed from
         the text (the tokens that produced it stay). `min_tokens` suppresses every stop but
-        the length limit.
+        the length limit. Unless a stop string ended it, a finished request's streamed text gets
+        its held-back tail, so it equals the one-shot decode of its tokens.
         """
+        done = self._check_stop()
+        if done and self.detokenizer is not None and not isinstance(self.stop_reason, str):
+            self.detokenizer.flush(self.output_token_ids)
+        return done
+
+    def _check_stop(self) -> bool:
         params = self.sampling_params
         last = self.output_token_ids[-1]
         n_out = len(self.output_token_ids)

@@ -1,0 +1,270 @@
+"""Serving throughput: `bridge serve` under N concurrent clients vs offline `LLM.generate`, same requests.
+
+One command, GPU (the lead runs it; a few minutes on an H200):
+
+    python benchmarks/serve.py [--clients 16,64,256] [--out results.json]
+
+W1's model (benchmarks/generate.py: Qwen3-0.6B-shaped, random bf16): every request is 512 prompt-embeds
+rows (base64 `torch.save` payloads, vLLM's wire format) and 128 greedy output tokens (ignore_eos).
+For each client count N the same max(N, 64) requests run twice: offline through `LLM.generate` in
+this process, then (after the offline engine is freed) through a `bridge serve` subprocess with the
+same engine settings, N clients each streaming one request at a time (httpx, SSE, usage included).
+
+Reported per N: throughput (output tok/s, wall time from the first request sent to the last [DONE]),
+its fraction of offline throughput (target >= 0.9 at 64 clients), TTFT p50/p99 (send to first
+chunk), inter-token latency p50/p99 (per request: (last chunk - first chunk) / (tokens - 1); with
+decode windows a chunk carries many tokens), and where the rest goes: the server's prompt-embeds
+decode time (base64 + torch.load, from /metrics), the client's encode time and the payload bytes.
+
+`--cpu`: a tiny model (hidden 64), 32 requests of 16-96 rows and 32 tokens, clients 4,16,32.
+Writes JSON to `--out`, else `$OUT/serve_benchmark.json` when `$OUT` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+for path in (REPO, REPO / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from generate import build_model, log, sync, workload  # noqa: E402
+
+from bridge.wire import encode_prompt_embeds  # noqa: E402
+from runner.llm import LLM  # noqa: E402
+from runner.sampling_params import SamplingParams  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[k]
+
+
+def engine_settings(args, max_len: int) -> dict:
+    return {"max_num_seqs": 64 if args.cpu else 256, "max_num_batched_tokens": 2048 if args.cpu else 16384,
+            "max_model_len": max_len + 16, "gpu_memory_utilization": 0.85}
+
+
+def offline_run(llm: LLM, embeds: list[torch.Tensor], output_lens: list[int], device) -> dict:
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in output_lens]
+    prompts = [{"prompt_embeds": e} for e in embeds]
+    sync(device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync(device)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tok_s": n / dt, "seconds": dt, "output_tokens": n}
+
+
+# ------------------------------------------------------------------------------------------ server
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, log_path: pathlib.Path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "bridge", "serve", str(model_dir), "--port", str(port),
+           "--enable-prompt-embeds", "--dtype", dtype, "--log-level", "warning",
+           "--max-pending-requests", "100000",
+           "--max-prompts-per-request", "1", "--served-model-name", "bench"]
+    for key, value in settings.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    if args.cpu:
+        cmd += ["--device", "cpu"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if args.cpu:
+        env["OMP_NUM_THREADS"] = "1"
+    out = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+async def run_clients(url: str, payloads: list[str], output_lens: list[int], clients: int) -> dict:
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in enumerate(zip(payloads, output_lens)):
+        queue.put_nowait(item)
+    ttft, itl, tokens = [], [], [0] * len(payloads)
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            i, (payload, out_len) = queue.get_nowait()
+            body = {"model": "bench", "prompt": "", "prompt_embeds": payload, "max_tokens": out_len,
+                    "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            sent = time.perf_counter()
+            first = last = None
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens[i] = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices"):
+                        last = time.perf_counter()
+                        first = first or last
+            ttft.append(first - sent)
+            if tokens[i] > 1:
+                itl.append((last - first) / (tokens[i] - 1))
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(clients)))
+        dt = time.perf_counter() - t0
+    n = sum(tokens)
+    return {"tok_s": n / dt, "seconds": dt, "output_tokens": n,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--clients", default=None,
+                    help="comma-separated client counts (GPU 16,64,256; CPU 4,16,32)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--model-dir", default=None)
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.cpu:
+        log("no CUDA device: running the --cpu benchmark")
+        args.cpu = True
+    if args.cpu:
+        torch.set_num_threads(1)
+    clients = [int(c) for c in (args.clients or ("4,16,32" if args.cpu else "16,64,256")).split(",")]
+    model_dir = pathlib.Path(args.model_dir or pathlib.Path(tempfile.gettempdir()) / (
+        "bridge_bench_tiny" if args.cpu else "bridge_bench_qwen3_06b"))
+    build_model(model_dir, args.cpu)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    dtype_name = "float32" if args.cpu else "bfloat16"
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    embed_key, table = None, None
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                if k.endswith("embed_tokens.weight"):
+                    embed_key, table = k, h.get_tensor(k)
+    assert embed_key is not None, "no embedding table"
+
+    n_max = max(max(clients), 32 if args.cpu else 64)
+    ids, prompt_lens, output_lens = (workload(n_max, 16, 96, 32, 32, vocab, seed=1) if args.cpu
+                                     else workload(n_max, 512, 512, 128, 128, vocab, seed=1))
+    embeds = [table[torch.tensor(i)].to(dtype) for i in ids]
+    t0 = time.perf_counter()
+    payloads = [encode_prompt_embeds(e) for e in embeds]
+    encode_s = time.perf_counter() - t0
+    settings = engine_settings(args, max(p + o for p, o in zip(prompt_lens, output_lens)))
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "model": "qwen3 tiny" if args.cpu else "Qwen3-0.6B-shaped (random bf16)",
+                     "engine": settings, "client_encode_seconds_all": encode_s,
+                     "payload_bytes_each": len(payloads[0]), "levels": {}}
+
+    log("offline LLM.generate on the same requests")
+    llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device, **settings)
+    sizes = sorted({max(c, 32 if args.cpu else 64) for c in clients})
+    offline_run(llm, embeds[: min(8, n_max)], output_lens[: min(8, n_max)], device)  # warm-up
+    offline = {}
+    for n in sizes:
+        runs = [offline_run(llm, embeds[:n], output_lens[:n], device) for _ in range(2)]
+        offline[n] = max(runs, key=lambda r: r["tok_s"])
+        log(f"  {n} requests: {offline[n]['tok_s']:.0f} tok/s offline")
+    llm.shutdown()
+    del llm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    log_path = pathlib.Path(tempfile.gettempdir()) / "bridge_serve_bench.log"
+    proc, url = start_server(model_dir, args, settings, dtype_name, log_path)
+    try:
+        asyncio.run(run_clients(url, payloads[:4], output_lens[:4], 4))  # warm-up
+        for c in clients:
+            n = max(c, 32 if args.cpu else 64)
+            before = server_metrics(url)
+            res = asyncio.run(run_clients(url, payloads[:n], output_lens[:n], c))
+            after = server_metrics(url)
+            decode_s = (after["bridge:prompt_embeds_decode_seconds_sum"]
+                        - before["bridge:prompt_embeds_decode_seconds_sum"])
+            res.update(requests=n, offline_tok_s=offline[n]["tok_s"],
+                       fraction_of_offline=res["tok_s"] / offline[n]["tok_s"],
+                       server_decode_seconds=decode_s,
+                       server_decode_share_of_wall=decode_s / res["seconds"],
+                       client_encode_seconds=encode_s * n / n_max)
+            results["levels"][str(c)] = res
+            log(f"  {c} clients, {n} requests: {res['tok_s']:.0f} tok/s = "
+                f"{res['fraction_of_offline']:.2f} of offline; TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms "
+                f"p99 {res['ttft_p99_s'] * 1e3:.0f} ms; "
+                f"ITL p50 {res['itl_p50_s'] * 1e3:.1f} ms p99 {res['itl_p99_s'] * 1e3:.1f} ms; "
+                f"decode {decode_s:.3f} s")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    out = args.out
+    if out is None and os.environ.get("OUT"):
+        out = os.path.join(os.environ["OUT"], "serve_benchmark.json")
+    text = json.dumps(results, indent=2)
+    print(text)
+    if out:
+        pathlib.Path(out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

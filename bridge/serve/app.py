@@ -1,0 +1,147 @@
+"""The FastAPI application: routes that validate, submit, stream and abort; nothing here runs the model.
+
+`build_app(server)` wires a loaded `ServerState` (the engine, its loop task, limits, metrics, chat
+renderer) into routes; the app's lifespan starts the engine loop and, on shutdown (uvicorn stops
+accepting connections on SIGTERM and waits for open ones first), lets live requests finish within
+the drain timeout, aborts the rest and frees the engine.
+"""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+import bridge
+from bridge.serve.chat import ChatRenderer
+from bridge.serve.engine_loop import EngineLoop
+from bridge.serve.errors import ApiError, bounded, install_error_handlers
+from bridge.serve.generation import Generation, TokenText
+from bridge.serve.guards import Guards
+from bridge.serve.inputs import ServeLimits, completion_prompts, samples_params
+from bridge.serve.metrics import ServeMetrics
+from bridge.serve.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from runner.llm import LLM
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need; built by `bridge.serve.server.load_server_state`."""
+
+    llm: LLM
+    model_name: str
+    model_root: str
+    limits: ServeLimits
+    chat: ChatRenderer
+    metrics: ServeMetrics = field(default_factory=ServeMetrics)
+    api_key: str | None = None
+    max_body_bytes: int = 512 * 2**20
+    max_pending: int = 1024
+    drain_timeout_s: float = 30.0
+    loop: EngineLoop | None = None
+
+    def __post_init__(self) -> None:
+        self.loop = EngineLoop(self.llm, max_pending=self.max_pending, metrics=self.metrics)
+        self.token_text = TokenText(self.llm.tokenizer)
+
+
+def build_app(state: ServerState) -> Guards:
+    """The ASGI app to hand uvicorn (FastAPI behind the guards middleware)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.loop.start()
+        try:
+            yield
+        finally:
+            await state.loop.stop(state.drain_timeout_s)
+            state.llm.shutdown()
+
+    app = FastAPI(title="Bridge OpenAI-compatible server", version=_version(), lifespan=lifespan)
+    install_error_handlers(app)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_name:
+            raise ApiError(404, f"the model {bounded(name, 100)!r} does not exist (this server serves "
+                           f"{state.model_name!r})", param="model")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, root=state.model_root,
+                                         max_model_len=state.llm.max_model_len)])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, raw: Request):
+        check_model(body.model)
+        prompts = await completion_prompts(body, hidden_size=state.llm.hidden_size,
+                                           max_model_len=state.llm.max_model_len, limits=state.limits,
+                                           metrics=state.metrics)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = samples_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=state.limits)
+        gen = Generation(state.loop, state.metrics, base_id=f"cmpl-{uuid.uuid4().hex}",
+                         model=state.model_name, prompts=prompts, params=params, n=body.n, check_context=True,
+                         token_text=state.token_text)
+        await gen.submit()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(gen.completion_stream(include_usage), media_type="text/event-stream")
+        await gen.collect(raw)
+        return JSONResponse(gen.completion_response().model_dump())
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        check_model(body.model)
+        prompt = await state.chat.prompt(body)
+        given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = state.llm.max_model_len if given is None else given
+        top = body.top_logprobs or 0
+        logprobs = top if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        params = samples_params(body, max_tokens=max_tokens, logprobs=logprobs, limits=state.limits)
+        gen = Generation(state.loop, state.metrics, base_id=f"chatcmpl-{uuid.uuid4().hex}",
+                         model=state.model_name, prompts=[prompt], params=params, n=body.n,
+                         check_context=given is not None, token_text=state.token_text)
+        await gen.submit()
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(gen.chat_stream(include_usage, top), media_type="text/event-stream")
+        await gen.collect(raw)
+        return JSONResponse(gen.chat_response(top).model_dump())
+
+    return Guards(app, api_key=state.api_key, max_body_bytes=state.max_body_bytes, metrics=state.metrics)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("bridge")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (a source checkout)
+        return getattr(bridge, "__version__", "0.1.0")

@@ -1,0 +1,267 @@
+"""The one task that drives the engine: HTTP handlers submit and abort, only this loop steps.
+
+Each iteration hands a worker thread one *tick*: validate and add the submissions queued since the
+last tick (`PromptProcessor.process`: all prompts of a submission or none), apply queued aborts,
+run one `EngineCore.step()`, and snapshot the counters. Back on the event loop the tick's outcomes
+resolve the submitters' futures and every `RequestDelta` goes to its request's asyncio queue. The
+core is therefore only ever touched by one thread at a time (the tick's), and the event loop stays
+free to accept connections and stream while the model runs. Requests from all connections share
+each step: that is the engine's continuous batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bridge.serve.metrics import EngineSnapshot, ServeMetrics
+from runner.llm import LLM
+from runner.outputs import RequestDelta
+from runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More live requests than `max_pending`: answered 503 with Retry-After."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining: new requests are refused (503)."""
+
+
+class EngineFailed(Exception):
+    """The engine raised while stepping; the requests it was running are aborted."""
+
+
+@dataclass
+class Submission:
+    """One HTTP request's prompts (already decoded), their params and request ids."""
+
+    prompts: Sequence[Any]
+    params: Sequence[SamplingParams]
+    ids: Sequence[str]
+    stream_text: bool
+    future: asyncio.Future
+    check_context: bool = True
+    prompt_lens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _TickResult:
+    added: list[tuple[Submission, BaseException | None]]
+    deltas: list[RequestDelta]
+    snapshot: EngineSnapshot
+    step_error: BaseException | None = None
+    mm_items: int = 0
+    mm_hits: int = 0
+
+
+class EngineLoop:
+    """Owns `llm.core` for the server's lifetime. `submit` / `abort` from handlers; `run` is the task."""
+
+    def __init__(self, llm: LLM, *, max_pending: int, metrics: ServeMetrics) -> None:
+        self.llm = llm
+        self.core = llm.core
+        self.processor = llm.processor
+        self.max_model_len = llm.max_model_len
+        self.max_pending = max_pending
+        self.metrics = metrics
+        self._lock = threading.Lock()  # guards the two lists below (handlers append, the tick swaps)
+        self._submissions: list[Submission] = []
+        self._aborts: list[str] = []
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._live: set[str] = set()
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        self.snapshot = self._snapshot()
+        self.num_steps = 0
+        self.num_aborted = 0
+
+    # ----------------------------------------------------------------------------- handlers' side
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    async def submit(self, prompts: Sequence[Any], params: Sequence[SamplingParams], ids: Sequence[str],
+                     *, stream_text: bool, check_context: bool = True) -> tuple[asyncio.Queue, list[int]]:
+        """Queue prompts for the next tick; the queue their deltas arrive on (all of them, in order)
+        and their prompt lengths once they are added. Raises QueueFull / ShuttingDown at once, or the
+        ValueError validation gave. `check_context`: refuse prompt + max_tokens over the context
+        (off when max_tokens was not given and stands for "up to the context")."""
+        if self._stopping:
+            raise ShuttingDown()
+        if len(self._live) + len(ids) > self.max_pending:
+            raise QueueFull()
+        future = asyncio.get_running_loop().create_future()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues.update((rid, queue) for rid in ids)
+        self._live.update(ids)
+        sub = Submission(prompts, params, ids, stream_text, future, check_context)
+        with self._lock:
+            self._submissions.append(sub)
+        self._wake_up()
+        try:
+            await future
+        except BaseException:
+            self.abort(ids)  # a validation error (nothing added), or the client left meanwhile
+            raise
+        return queue, sub.prompt_lens
+
+    def abort(self, ids: Sequence[str]) -> None:
+        """Abort requests (those finished already are ignored); applied before the next step."""
+        live = [rid for rid in ids if rid in self._live]
+        for rid in ids:
+            self._queues.pop(rid, None)
+        if not live:
+            return
+        for rid in live:
+            self._live.discard(rid)
+        with self._lock:
+            self._aborts.extend(live)
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    # ----------------------------------------------------------------------------- the loop
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self.run(), name="bridge-engine-loop")
+
+    async def run(self) -> None:
+        assert self._wake is not None
+        while True:
+            with self._lock:
+                subs, self._submissions = self._submissions, []
+                aborts, self._aborts = self._aborts, []
+            if not subs and not aborts and not self.core.has_unfinished():
+                if self._stopping and not self._live:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            result = await asyncio.to_thread(self._tick, subs, aborts)
+            self._deliver(result)
+
+    def _tick(self, subs: list[Submission], aborts: list[str]) -> _TickResult:
+        """Runs in a worker thread; the only code that touches the core."""
+        added: list[tuple[Submission, BaseException | None]] = []
+        items = hits = 0
+        seen: set[str] = set()
+        cache = self.llm.mm.cache
+        for sub in subs:
+            try:
+                requests = self.processor.process(sub.prompts, sub.params, sub.ids,
+                                                  stream_text=sub.stream_text)
+                for i, req in enumerate(requests if sub.check_context else ()):
+                    need = len(req.prompt_token_ids) + req.sampling_params.max_tokens
+                    if need > self.max_model_len:
+                        raise ValueError(
+                            f"prompt {i}: this model's maximum context length is {self.max_model_len} "
+                            "tokens, "
+                            f"but {len(req.prompt_token_ids)} prompt tokens + max_tokens "
+                            f"{req.sampling_params.max_tokens} = {need}; reduce max_tokens or the prompt")
+                for req in requests:
+                    for feature in getattr(req, "mm_features", None) or ():
+                        items += 1
+                        ident = feature.identifier
+                        hits += ident in cache or cache.is_referenced(ident) or ident in seen
+                        seen.add(ident)
+                    self.core.add_request(req)
+                sub.prompt_lens = [len(r.prompt_token_ids) for r in requests]
+                added.append((sub, None))
+            except ValueError as exc:  # the processor names the prompt and field: a 400
+                added.append((sub, exc))
+            except Exception as exc:  # noqa: BLE001 - a tokenizer or encoder choking on the input
+                logger.warning("a submission failed validation with %s", type(exc).__name__, exc_info=True)
+                added.append((sub, ValueError(f"the prompt could not be processed ({type(exc).__name__})")))
+        for rid in aborts:
+            if self.core.abort(rid) is not None:
+                self.num_aborted += 1
+                self.metrics.aborted.inc()
+        deltas: list[RequestDelta] = []
+        error = None
+        if self.core.has_unfinished():
+            try:
+                deltas = self.core.step()
+                self.num_steps += 1
+            except Exception as exc:  # noqa: BLE001 - the loop must survive; its requests are aborted
+                logger.exception("engine step failed; aborting its requests")
+                error = exc
+                for rid in list(self.core.scheduler.requests):
+                    self.core.abort(rid)
+                self.core.in_flight = None
+        return _TickResult(added, deltas, self._snapshot(), error, items, hits)
+
+    def _snapshot(self) -> EngineSnapshot:
+        s, cache = self.core.scheduler, self.llm.mm.cache
+        return EngineSnapshot(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_free_blocks=self.core.block_manager.num_free_blocks,
+            num_total_blocks=self.core.block_manager.num_blocks,
+            num_free_slots=s.num_free_slots, num_total_slots=s.max_num_seqs,
+            encoder_calls=cache.num_encoder_calls, encoded_items=cache.num_encoded_items,
+            passthrough_uploads=cache.num_uploads)
+
+    def _deliver(self, result: _TickResult) -> None:
+        for sub, exc in result.added:
+            if not sub.future.done():
+                if exc is None:
+                    sub.future.set_result(None)
+                else:
+                    sub.future.set_exception(exc)
+            elif exc is None:  # the submitter is gone (cancelled): drop what was added
+                self.abort(sub.ids)
+        for sub, exc in result.added:
+            if exc is None:
+                self.metrics.prompt_tokens.inc(sum(sub.prompt_lens))
+        for delta in result.deltas:
+            queue = self._queues.get(delta.request_id)
+            self.metrics.generation_tokens.inc(len(delta.new_token_ids))
+            if delta.finished:
+                if delta.finish_reason in ("stop", "length"):
+                    self.metrics.request_success.labels(delta.finish_reason).inc()
+                self._live.discard(delta.request_id)
+                self._queues.pop(delta.request_id, None)
+            if queue is not None:
+                queue.put_nowait(delta)
+        if result.step_error is not None:
+            failure = EngineFailed(type(result.step_error).__name__)
+            for rid in list(self._live):
+                queue = self._queues.pop(rid, None)
+                if queue is not None:
+                    queue.put_nowait(failure)
+            self._live.clear()
+        self.snapshot = result.snapshot
+        self.metrics.mm_items.inc(result.mm_items)
+        self.metrics.mm_hits.inc(result.mm_hits)
+        self.metrics.set_snapshot(result.snapshot, len(self._live))
+
+    # ----------------------------------------------------------------------------- shutdown
+    async def stop(self, timeout: float) -> None:
+        """Refuse new work, let live requests finish for up to `timeout` s, abort the rest, end the task."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        while self._live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._live:
+            logger.warning("aborting %d requests still running at shutdown", len(self._live))
+            for rid in list(self._live):
+                queue = self._queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(ShuttingDown())
+            self.abort(list(self._live))
+        self._wake_up()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=max(5.0, timeout))
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()

@@ -1,0 +1,317 @@
+"""One HTTP generation request's life after validation: submit, then stream or collect the deltas.
+
+`Generation` gathers what the n x prompts engine requests of one HTTP request produce (text, ids,
+logprobs, finish reasons, per-token timing for the latency histograms) and turns them into OpenAI
+completion / chat bodies or server-sent-event chunks. A client that goes away (the stream's
+generator is closed, or the non-streaming wait is cancelled) aborts every request it still has
+in the engine, which frees their KV blocks and slots before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from bridge.serve.engine_loop import EngineFailed, EngineLoop, QueueFull, ShuttingDown
+from bridge.serve.errors import ApiError
+from bridge.serve.metrics import ServeMetrics
+from bridge.serve.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    TopLogprob,
+    UsageInfo,
+)
+from runner.engine.request import IncrementalDetokenizer
+from runner.outputs import RequestDelta
+from runner.sampling_params import SamplingParams
+
+RETRY_AFTER_S = "1"
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    last_time: float | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+
+
+class TokenText:
+    """Token id -> its text for logprobs (the tokenizer's decode of the one id)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+
+class Generation:
+    """The engine requests of one HTTP request: ids `<base>-<k>`, choice k = prompt * n + sample."""
+
+    def __init__(self, loop: EngineLoop, metrics: ServeMetrics, *, base_id: str, model: str,
+                 prompts: Sequence[Any], params: Sequence[SamplingParams], n: int, check_context: bool,
+                 token_text: TokenText) -> None:
+        self.loop, self.metrics = loop, metrics
+        self.base_id, self.model, self.n = base_id, model, n
+        self.prompts = [p for p in prompts for _ in range(n)]
+        self.params = list(params) * len(prompts)
+        self.ids = [f"{base_id}-{k}" for k in range(len(self.prompts))]
+        self.index = {rid: k for k, rid in enumerate(self.ids)}
+        self.choices = [Choice(k) for k in range(len(self.ids))]
+        self.check_context = check_context
+        self.token_text = token_text
+        self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        self.prompt_lens: list[int] = []
+        self.queue: asyncio.Queue | None = None
+        self.num_finished = 0
+        # Text: the engine detokenizes token by token only when it must (stop strings, stop ids);
+        # otherwise each delta is detokenized here at once (a decode window's 32 tokens in one call).
+        first = self.params[0] if self.params else None
+        self.engine_text = bool(first and (first.stop_strings or first.stop_token_ids))
+        if not self.engine_text and token_text.tokenizer is not None:
+            for choice, params in zip(self.choices, self.params):
+                choice.detokenizer = IncrementalDetokenizer(token_text.tokenizer, params.skip_special_tokens)
+
+    async def submit(self) -> None:
+        try:
+            self.queue, lens = await self.loop.submit(self.prompts, self.params, self.ids,
+                                                      stream_text=self.engine_text,
+                                                      check_context=self.check_context)
+        except QueueFull:
+            raise ApiError(503, f"the server has {self.loop.max_pending} requests in flight (its queue "
+                           "limit); retry later", headers={"Retry-After": RETRY_AFTER_S}) from None
+        except ShuttingDown:
+            raise ApiError(503, "the server is shutting down",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        self.prompt_lens = lens[:: self.n]
+
+    def abort(self) -> None:
+        self.loop.abort(self.ids)
+
+    @property
+    def done(self) -> bool:
+        return self.num_finished == len(self.ids)
+
+    async def deltas(self) -> AsyncIterator[tuple[Choice, RequestDelta, str]]:
+        """Each delta as it arrives with its new text, its choice updated; ends when all finished."""
+        assert self.queue is not None
+        while not self.done:
+            item = await self.queue.get()
+            if isinstance(item, EngineFailed):
+                raise ApiError(500, "the engine failed while running this request")
+            if isinstance(item, ShuttingDown):
+                raise ApiError(503, "the server shut down before this request finished",
+                               headers={"Retry-After": RETRY_AFTER_S})
+            choice, text = self._apply(item)
+            yield choice, item, text
+
+    def _apply(self, delta: RequestDelta) -> tuple[Choice, str]:
+        choice = self.choices[self.index[delta.request_id]]
+        now = time.perf_counter()
+        if delta.new_token_ids:
+            if choice.last_time is None:
+                self.metrics.ttft.observe(now - self.arrival)
+            else:
+                gap = (now - choice.last_time) / len(delta.new_token_ids)
+                for _ in delta.new_token_ids:
+                    self.metrics.itl.observe(gap)
+            choice.last_time = now
+        choice.token_ids += delta.new_token_ids
+        text = delta.new_text
+        det = choice.detokenizer
+        if det is not None:
+            before = len(det.text)
+            if delta.new_token_ids:
+                det.step(choice.token_ids)
+            if delta.finished:
+                det.flush(choice.token_ids)
+            text = det.text[before:]
+        choice.text += text
+        if delta.new_logprobs:
+            choice.logprobs += delta.new_logprobs
+        if delta.finished:
+            choice.finish_reason = delta.finish_reason
+            choice.stop_reason = delta.stop_reason
+            self.num_finished += 1
+            self.metrics.e2e.observe(now - self.arrival)
+        return choice, text
+
+    async def collect(self, raw: Request) -> None:
+        """Wait for every request to finish; abort them all if the client disconnects first."""
+        waiter = asyncio.ensure_future(self._drain())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                self.abort()
+        waiter.result()  # re-raises ApiError from the engine side
+
+    async def _drain(self) -> None:
+        async for _ in self.deltas():
+            pass
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self.prompt_lens)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    # ----------------------------------------------------------------------------- completions
+    def completion_logprobs(self, choice: Choice, start: int, offset: int = 0) -> CompletionLogprobs | None:
+        if self.params[choice.index].logprobs is None:
+            return None
+        out = CompletionLogprobs()
+        for token_id, entry in zip(choice.token_ids[start:], choice.logprobs[start:]):
+            text = self.token_text(token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(_finite(entry.get(token_id)))
+            top: dict[str, float | None] = {}
+            for t, v in sorted(entry.items(), key=lambda kv: -kv[1]):  # two ids may share a text: best wins
+                top.setdefault(self.token_text(t), _finite(v))
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def completion_response(self) -> CompletionResponse:
+        choices = [CompletionChoice(index=c.index, text=c.text, logprobs=self.completion_logprobs(c, 0),
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in self.choices]
+        return CompletionResponse(id=self.base_id, created=self.created, model=self.model, choices=choices,
+                                  usage=self.usage())
+
+    async def completion_stream(self, include_usage: bool) -> AsyncIterator[str]:
+        offsets = [0] * len(self.choices)
+        async for item in self._guarded_stream():
+            if isinstance(item, str):
+                yield item
+                continue
+            choice, delta, text = item
+            start = len(choice.token_ids) - len(delta.new_token_ids)
+            lp = self.completion_logprobs(choice, start, offsets[choice.index])
+            offsets[choice.index] += len(text)
+            chunk = {"id": self.base_id, "object": "text_completion", "created": self.created,
+                     "model": self.model,
+                     "choices": [{"index": choice.index, "text": text,
+                                  "logprobs": None if lp is None else lp.model_dump(),
+                                  "finish_reason": delta.finish_reason if delta.finished else None,
+                                  "stop_reason": delta.stop_reason if delta.finished else None}]}
+            if include_usage:
+                chunk["usage"] = None
+            yield _sse(chunk)
+        if include_usage and self.done:
+            yield _sse({"id": self.base_id, "object": "text_completion", "created": self.created,
+                        "model": self.model, "choices": [], "usage": self.usage().model_dump()})
+        yield "data: [DONE]\n\n"
+
+    # ----------------------------------------------------------------------------- chat
+    def chat_logprobs(self, choice: Choice, start: int, top: int) -> ChatLogprobs | None:
+        if self.params[choice.index].logprobs is None:
+            return None
+        content = []
+        for token_id, entry in zip(choice.token_ids[start:], choice.logprobs[start:]):
+            text = self.token_text(token_id)
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+            content.append(ChatTokenLogprob(
+                token=text, logprob=_lp(entry.get(token_id)), bytes=list(text.encode()),
+                top_logprobs=[TopLogprob(token=self.token_text(t), logprob=_lp(v),
+                                         bytes=list(self.token_text(t).encode())) for t, v in ranked]))
+        return ChatLogprobs(content=content)
+
+    def chat_response(self, top: int) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=self.chat_logprobs(c, 0, top), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason) for c in self.choices]
+        return ChatCompletionResponse(id=self.base_id, created=self.created, model=self.model,
+                                      choices=choices, usage=self.usage())
+
+    async def chat_stream(self, include_usage: bool, top: int) -> AsyncIterator[str]:
+        def chunk(index: int, delta: dict, **extra: Any) -> str:
+            body = {"id": self.base_id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model,
+                    "choices": [{"index": index, "delta": delta, "logprobs": extra.get("logprobs"),
+                                 "finish_reason": extra.get("finish_reason"),
+                                 "stop_reason": extra.get("stop_reason")}]}
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        for choice in self.choices:
+            yield chunk(choice.index, {"role": "assistant", "content": ""})
+        async for item in self._guarded_stream():
+            if isinstance(item, str):
+                yield item
+                continue
+            choice, delta, text = item
+            start = len(choice.token_ids) - len(delta.new_token_ids)
+            lp = self.chat_logprobs(choice, start, top)
+            content = {"content": text} if text or not delta.finished else {}
+            yield chunk(choice.index, content,
+                        logprobs=None if lp is None else lp.model_dump(),
+                        finish_reason=delta.finish_reason if delta.finished else None,
+                        stop_reason=delta.stop_reason if delta.finished else None)
+        if include_usage and self.done:
+            yield _sse({"id": self.base_id, "object": "chat.completion.chunk", "created": self.created,
+                        "model": self.model, "choices": [], "usage": self.usage().model_dump()})
+        yield "data: [DONE]\n\n"
+
+    async def _guarded_stream(self) -> AsyncIterator[tuple[Choice, RequestDelta, str] | str]:
+        """The deltas; an engine-side error becomes one SSE error event (the status line is sent
+        already); leaving early (client gone: the generator is closed) aborts what is left."""
+        try:
+            async for triple in self.deltas():
+                yield triple
+        except ApiError as err:
+            yield _sse({"error": {"message": err.message, "type": "ServiceUnavailableError"
+                                  if err.status == 503 else "InternalServerError", "param": None,
+                                  "code": err.status}})
+        finally:
+            if not self.done:
+                self.abort()
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if value == value and abs(value) != float("inf") else -9999.0
+
+
+def _lp(value: float | None) -> float:
+    finite = _finite(value)
+    return -9999.0 if finite is None else finite
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return

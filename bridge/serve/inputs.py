@@ -1,0 +1,138 @@
+"""From request bodies to engine prompts and `SamplingParams` (everything before the engine loop).
+
+Prompt-embeds payloads are decoded here, with `bridge.load_prompt_embeds` (weights-only loading,
+the archive inspected and sparse tensors' declared size checked before anything is densified) in
+a worker thread so that a large payload never stalls the event loop; the decode time goes to
+`/metrics`. Every problem is an `ApiError(400)` naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bridge.serve.errors import ApiError
+from bridge.serve.metrics import ServeMetrics
+from bridge.serve.protocol import ChatCompletionRequest, CompletionRequest
+from bridge.wire import load_prompt_embeds
+from runner.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+EMBEDS_FLAG_MESSAGE = ("prompt_embeds are disabled on this server; start it with --enable-prompt-embeds "
+                       "to accept them")
+
+
+@dataclass
+class ServeLimits:
+    """Per-request limits (CLI flags)."""
+
+    max_prompts: int = 256
+    max_n: int = 16
+    max_prompt_embeds_bytes: int = 256 * 2**20
+    enable_prompt_embeds: bool = False
+
+
+def check_text(text: str, where: str) -> str:
+    """A string from the caller that the tokenizer can take: valid Unicode (JSON can smuggle in lone
+    surrogates, which no UTF-8 tokenizer accepts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{where}: the text is not valid Unicode (a lone surrogate?)",
+                       param=where) from None
+    return text
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None,
+                    seed: int | None) -> SamplingParams:
+    """The engine's params for one sample of `body` (ValueError from SamplingParams -> 400)."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
+            seed=seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            logprobs=logprobs, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def samples_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None,
+                   limits: ServeLimits) -> list[SamplingParams]:
+    """One params per sample (n of them). With a seed, sample j uses seed + j, as vLLM does for n > 1,
+    so the n samples differ yet the request is reproducible."""
+    for i, stop in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
+        check_text(stop, f"stop[{i}]")
+    if body.n > limits.max_n:
+        raise ApiError(400, f"n must be at most {limits.max_n}, got {body.n}", param="n")
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise ApiError(400, f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+    seeds = [None if body.seed is None else body.seed + j for j in range(body.n)]
+    return [sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, seed=s) for s in seeds]
+
+
+async def decode_embeds(payload: str, *, where: str, hidden_size: int, max_model_len: int,
+                        limits: ServeLimits, metrics: ServeMetrics) -> torch.Tensor:
+    """One base64 `torch.save` payload -> a `(n, hidden)` CPU tensor, or a 400 naming `where`."""
+    if not limits.enable_prompt_embeds:
+        raise ApiError(400, EMBEDS_FLAG_MESSAGE, param=where)
+    start = time.perf_counter()
+    try:
+        tensor = await asyncio.to_thread(load_prompt_embeds, payload, hidden_size=hidden_size,
+                                         max_bytes=limits.max_prompt_embeds_bytes, max_rows=max_model_len)
+    except ValueError as exc:
+        raise ApiError(400, f"{where}: {exc}", param=where) from None
+    finally:
+        metrics.decode_seconds.observe(time.perf_counter() - start)
+    return tensor
+
+
+async def completion_prompts(body: CompletionRequest, *, hidden_size: int, max_model_len: int,
+                             limits: ServeLimits, metrics: ServeMetrics) -> list[Any]:
+    """The engine prompts of a completions request: embeds prompts first, then text / token prompts."""
+    if body.prompt is None and body.prompt_embeds is None:
+        raise ApiError(400, "give 'prompt' or 'prompt_embeds'", param="prompt")
+    prompts: list[Any] = []
+    embeds = body.prompt_embeds
+    if embeds is not None:
+        payloads = [embeds] if isinstance(embeds, str) else embeds
+        if not payloads:
+            raise ApiError(400, "prompt_embeds is an empty list", param="prompt_embeds")
+        if len(payloads) > limits.max_prompts:
+            raise ApiError(400, f"at most {limits.max_prompts} prompts per request, got {len(payloads)}",
+                           param="prompt_embeds")
+        if not limits.enable_prompt_embeds:
+            raise ApiError(400, EMBEDS_FLAG_MESSAGE, param="prompt_embeds")
+        for i, payload in enumerate(payloads):
+            where = "prompt_embeds" if isinstance(embeds, str) else f"prompt_embeds[{i}]"
+            tensor = await decode_embeds(payload, where=where, hidden_size=hidden_size,
+                                         max_model_len=max_model_len, limits=limits, metrics=metrics)
+            prompts.append({"prompt_embeds": tensor})
+    prompt = body.prompt
+    if embeds is not None and prompt == "":
+        prompt = None  # vLLM's users send prompt="" with prompt_embeds (the openai client needs a prompt)
+    if prompt is not None:
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise ApiError(400, "prompt is an empty list", param="prompt")
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                prompts.append(check_text(item, "prompt" if isinstance(prompt, str) else f"prompt[{i}]"))
+            else:
+                prompts.append({"prompt_token_ids": list(item)})
+    if len(prompts) > limits.max_prompts:
+        raise ApiError(400, f"at most {limits.max_prompts} prompts per request, got {len(prompts)}",
+                       param="prompt")
+    return prompts

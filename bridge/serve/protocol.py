@@ -1,0 +1,216 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Every request body is a model here, so `/openapi.json` describes exactly what the server accepts
+(schema-driven fuzzers read it). Field names, defaults and shapes follow OpenAI's API with vLLM's
+extensions (`prompt_embeds`, `top_k`, `min_tokens`, `repetition_penalty`, `stop_token_ids`,
+`ignore_eos`). Unknown fields are ignored, as vLLM does. Values are range-checked again by
+`runner.SamplingParams`; pydantic checks types (strict: `"1"` is not an int, `1` is not a str).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+Number = StrictInt | StrictFloat
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(_Body):
+    """The sampling fields completions and chat share."""
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    n: StrictInt = Field(default=1, ge=1)
+    presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: Number = Field(default=1.0, gt=0)
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+
+
+TokenIds = list[StrictInt]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. Give `prompt`, `prompt_embeds` or both (vLLM: the embeds prompts come
+    first, then the text/token prompts; choice `index` = prompt_index * n + sample_index)."""
+
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds] | None = None
+    prompt_embeds: StrictStr | list[StrictStr] | None = Field(
+        default=None, description="base64 of torch.save of a (n, hidden) tensor (vLLM's format), or a list")
+    logprobs: StrictInt | None = Field(default=None, ge=0)
+    echo: Literal[False] = False
+    suffix: None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImageURL(_Body):
+    url: StrictStr
+    detail: StrictStr | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(_Body):
+    data: StrictStr = Field(description="base64 of a WAV file")
+    format: Literal["wav"] = "wav"
+
+
+class AudioPart(_Body):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class GraphPart(_Body):
+    type: Literal["graph"]
+    graph: dict[str, Any] = Field(description="a graph in the README's JSON graph format")
+
+
+class EmbedsPart(_Body):
+    """vLLM's embeddings-as-content: rows already in the LLM's hidden space (base64 torch.save)."""
+
+    type: Literal["prompt_embeds", "image_embeds"]
+    prompt_embeds: StrictStr | None = None
+    image_embeds: StrictStr | None = None
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | GraphPart | EmbedsPart,
+                        Field(discriminator="type")]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "bridge"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

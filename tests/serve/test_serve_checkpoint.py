@@ -1,0 +1,132 @@
+"""`bridge serve RUN_DIR` over a tiny trained Bridge checkpoint (the shapes demo, a few steps): chat
+with an image equals `Bridge.from_checkpoint(...).generate`, a repeated image is encoded once, and
+SIGTERM lets a running stream finish, then exits 0."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serve_helpers import TEMPLATE, ServerProcess
+
+from bridge.cli import main
+from bridge.data.sources import build_datasets
+from bridge.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def shapes_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve_shapes") / "shapes"
+    args = ["demo", "shapes", "--output-dir", str(out), "train.max_steps=2", "train.progress=false",
+            "eval.num_items=2", "data.num_train=16", "data.num_eval=4", "train.batch_size=4"]
+    assert main(args) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def images():
+    recipe = load_recipe(ROOT / "recipes" / "demo" / "shapes.yaml", ["data.num_train=16", "data.num_eval=4"])
+    _, held_out = build_datasets(recipe.data, recipe.seed)
+    return [held_out[i].media["image"][0] for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def run_server(shapes_run, tmp_path_factory):
+    template = tmp_path_factory.mktemp("serve_ckpt") / "t.jinja"
+    template.write_text(TEMPLATE)
+    server = ServerProcess(shapes_run, template.parent / "server.log", "--chat-template", str(template),
+                           "--max-model-len", "96", "--num-kv-blocks", "64")
+    yield server
+    server.stop()
+
+
+def _data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_message(image) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}}]}]
+
+
+def test_chat_with_an_image_equals_the_bridge_api_and_encodes_once(run_server, shapes_run, images):
+    from bridge.api import Bridge
+
+    bridge = Bridge.from_checkpoint(shapes_run, device="cpu")
+    want = [o.outputs[0].text for o in bridge.generate([{"text": "<image>", "image": im} for im in images],
+                                                        max_tokens=8)]
+    client = openai.OpenAI(base_url=run_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    before = run_server.metrics()
+    got = []
+    for image in images:
+        r = client.chat.completions.create(model="shapes", messages=_image_message(image), temperature=0.0,
+                                           max_tokens=8)
+        got.append(r.choices[0].message.content)
+    assert got == want
+    for _ in range(3):  # the first image again: served from the encoder cache
+        r = client.chat.completions.create(model="shapes", messages=_image_message(images[0]),
+                                           temperature=0.0, max_tokens=8)
+        assert r.choices[0].message.content == want[0]
+    m = run_server.metrics()
+    assert m["bridge:encoder_encoded_items"] - before["bridge:encoder_encoded_items"] == 2
+    assert m["bridge:encoder_cache_hits_total"] - before.get("bridge:encoder_cache_hits_total", 0) == 3
+    assert m["bridge:encoder_cache_queries_total"] - before.get("bridge:encoder_cache_queries_total", 0) == 5
+    run_server.wait_idle()
+
+
+def test_media_errors_name_the_part_and_the_flag(run_server, images):
+    with httpx.Client(base_url=run_server.url, timeout=30) as http:
+        r = http.post("/v1/completions", json={"prompt": "", "prompt_embeds": "AAAA", "max_tokens": 2})
+        assert r.status_code == 400 and "--enable-prompt-embeds" in r.json()["error"]["message"]
+        audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]}]
+        r = http.post("/v1/chat/completions", json={"messages": audio, "max_tokens": 2})
+        assert r.status_code == 400 and "no audio encoder" in r.json()["error"]["message"]
+        local = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]
+        r = http.post("/v1/chat/completions", json={"messages": local, "max_tokens": 2})
+        assert r.status_code == 400 and "--allowed-local-media-path" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "messages[0].content[0]"
+    run_server.wait_idle()
+
+
+def test_sigterm_lets_the_running_stream_finish_then_exits_0(run_server, images):
+    body = {"model": "shapes", "messages": _image_message(images[1]), "max_tokens": 40, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    first_chunk = threading.Event()
+    result: dict = {}
+
+    def stream() -> None:
+        chunks = []
+        with httpx.stream("POST", run_server.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line[6:])
+                    first_chunk.set()
+        result["chunks"] = chunks
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first_chunk.wait(30)
+    run_server.proc.send_signal(signal.SIGTERM)
+    thread.join(60)
+    assert not thread.is_alive()
+    chunks = result["chunks"]
+    assert chunks[-1] == "[DONE]"
+    usage = json.loads(chunks[-2])["usage"]
+    assert usage["completion_tokens"] == 40
+    assert run_server.proc.wait(timeout=60) == 0, run_server.log()
+    deadline = time.monotonic() + 5
+    with pytest.raises(httpx.ConnectError):
+        while time.monotonic() < deadline:  # the port is closed once the process is gone
+            httpx.get(run_server.url + "/health", timeout=2)
+            time.sleep(0.1)
