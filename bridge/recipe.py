@@ -161,6 +161,13 @@ SCHEMA: dict[str, Any] = {
             (str,),
             ("auto", "ddp", "fsdp"),
         ),
+        "mixed_precision": Field(
+            "none",
+            "FSDP2 only (train.distributed fsdp): bf16 all-gathers and computes the decoder layers in "
+            "bf16 while the sharded fp32 weights train and gradients reduce in fp32.",
+            (str,),
+            ("none", "bf16"),
+        ),
         "cache_tower_outputs": Field(
             False,
             "Keep a frozen tower's outputs per training item in device memory and run only the "
