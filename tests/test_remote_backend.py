@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import threading
 import time
 
@@ -242,3 +243,11 @@ def test_backoff_and_backend_specs():
         resolve_backend("h:8000")
     with pytest.raises(ValueError, match="max_concurrency"):
         RemoteBackend("http://h", max_concurrency=0)
+
+
+def test_encoded_body_is_the_same_json_as_json_dumps():
+    from bridge.backends.completions import encode_body
+
+    for body in ({"prompt_embeds": "QUJD", "max_tokens": 3, "stop": ['a"b']}, {"prompt_embeds": "QUJD"},
+                 {"prompt_embeds": 'not "base64"', "n": 1}, {"max_tokens": 1}):
+        assert json.loads(encode_body(body)) == body
