@@ -104,7 +104,12 @@ class Bridge:
         dtype: str = "float32",
         device: str | torch.device | None = None,
         enforce_eager: bool = False,
+        backend: Any = None,
+        model_names: Sequence[str | Path] = (),
     ):
+        """`backend`: None / "local" (the in-process runner.LLM), an http(s) URL of a vLLM-compatible
+        server (bridge.backends.RemoteBackend), or a backend object. `model_names`: other names the
+        base LLM goes by, for the remote server's model check."""
         from transformers import AutoTokenizer
 
         self.llm_dir = Path(llm_dir)
@@ -123,16 +128,24 @@ class Bridge:
         #: the LLM's hidden size (the width of prompt-embeds rows)
         self.hidden_size: int = int(self._embed_table.shape[1])
         self._engine = None
+        self._model_names = tuple(str(n) for n in model_names)
+        self._backends: dict[str, Any] = {}
+        self.backend = self._backend_for(backend)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_checkpoint(
-        cls, directory: str | Path, device: str | torch.device | None = None, enforce_eager: bool = False
+        cls,
+        directory: str | Path,
+        device: str | torch.device | None = None,
+        enforce_eager: bool = False,
+        backend: Any = None,
     ) -> Bridge:
         """A trained checkpoint (OUTPUT/checkpoints/step_N, or OUTPUT itself for its newest).
 
         Custom parts the run used (its recipe's `imports`) are imported again from the paths the
-        checkpoint recorded."""
+        checkpoint recorded. `backend="http://host:8000"` generates on a vLLM-compatible server
+        running its base LLM."""
         # the checkpoint layout belongs to the trainer; imported here, not at module top, so that
         # `import bridge.api` does not load the training package
         from bridge.training import checkpoint as ckpt_io
@@ -152,6 +165,8 @@ class Bridge:
             dtype=meta.get("llm_dtype", "float32"),
             device=device,
             enforce_eager=enforce_eager,
+            backend=backend,
+            model_names=(directory.resolve(), directory.resolve().parents[1], meta.get("base_llm_dir", "")),
         )
 
     @classmethod
@@ -201,6 +216,24 @@ class Bridge:
                 enforce_eager=self.enforce_eager,
             )
         return self._engine
+
+    def _backend_for(self, spec: Any):
+        """A backend from its spec (one RemoteBackend per URL, kept); the local engine for None."""
+        from bridge.backends import LocalBackend, resolve_backend
+
+        if spec is None or spec == "local":
+            return self._backends.setdefault("local", LocalBackend(lambda: self.engine))
+        key = spec if isinstance(spec, str) else id(spec)
+        if key not in self._backends:
+            self._backends[key] = resolve_backend(spec, tokenizer=self.tokenizer)
+        return self._backends[key]
+
+    def _checked(self, backend):
+        from bridge.backends import ModelExpectation, llm_names
+
+        hidden = int(self._embed_table.shape[1])
+        backend.verify(ModelExpectation(llm_names(self.llm_dir, self._model_names), hidden))
+        return backend
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, example: Example) -> TokenizedPrompt:
@@ -256,14 +289,18 @@ class Bridge:
         max_tokens: int = 32,
         temperature: float = 0.0,
         sampling_params=None,
+        backend: Any = None,
         **sampling_kwargs,
     ):
         """Generate for prompt dicts {"prompt": "... <image> ...", "image": item_or_list, ...}; returns
-        the runner's RequestOutputs (`.outputs[0].text`, `.outputs[0].token_ids`)."""
+        the runner's RequestOutputs (`.outputs[0].text`, `.outputs[0].token_ids`). `backend` (a URL
+        or backend object) overrides this Bridge's for the call; a remote one is checked once
+        (same base LLM, same hidden size) before any embedding is sent."""
         from runner.sampling_params import SamplingParams
 
         if sampling_params is None:
             sampling_params = SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, **sampling_kwargs
             )
-        return self.engine.generate(self.build_requests(prompts), sampling_params)
+        chosen = self._checked(self.backend if backend is None else self._backend_for(backend))
+        return chosen.generate(self.build_requests(prompts), sampling_params)

@@ -3,6 +3,7 @@
     bridge train RECIPE [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge demo {shapes,tones,graphs} [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge defaults [RECIPE]             # every recipe key with its default, and the registered parts
+    bridge eval RUN [--backend URL]      # evaluate a run's newest checkpoint (or a checkpoint dir)
     bridge serve PATH [--port N] [...]   # OpenAI-compatible server (bridge.serve; `serve` extra)
 
 `--nproc N` (N > 1) re-launches the same command under torchrun with N processes (DDP, or FSDP2
@@ -66,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     defaults.add_argument(
         "recipe", nargs="?", default=None, help="also import this recipe's `imports` (custom parts)"
     )
+    ev = sub.add_parser("eval", help="evaluate a run's newest checkpoint (or a checkpoint) on its eval set")
+    ev.add_argument("run", help="a run directory (its newest checkpoint) or a checkpoint directory")
+    ev.add_argument("--backend", default=None,
+                    help="generate on this vLLM-compatible server (http://host:8000) instead of in-process")
+    ev.add_argument("--num-items", type=int, default=None, help="held-out items (default: the recipe's)")
+    ev.add_argument("--max-tokens", type=int, default=None, help="max new tokens (default: the recipe's)")
+    ev.add_argument("--device", default=None, help="where the encoders (and a local LLM) run")
+    ev.add_argument("--output", default=None, help="write the full report (with samples) to this JSON file")
     serve = sub.add_parser("serve", help="serve a model dir or a trained run over an OpenAI-compatible API")
     try:
         from bridge.serve.server import add_serve_arguments
@@ -74,6 +83,42 @@ def _parser() -> argparse.ArgumentParser:
     else:
         add_serve_arguments(serve)
     return parser
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """`bridge eval`: the checkpoint's own recipe gives the eval set and settings."""
+    from bridge.backends import BatchGenerationError, RemoteError
+    from bridge.data.sources import build_datasets
+    from bridge.recipe import RecipeError, load_recipe
+    from bridge.training import checkpoint as ckpt_io
+    from bridge.training.evaluate import evaluate_checkpoint
+
+    run = Path(args.run)
+    ckpt = run if (run / "meta.json").is_file() else ckpt_io.latest_checkpoint(run)
+    if ckpt is None or not (ckpt / "recipe.yaml").is_file():
+        print(f"bridge: eval: {str(run)[:200]} is neither a checkpoint nor a run with one", file=sys.stderr)
+        return 2
+    overrides = [f"eval.{k}={v}" for k, v in (("num_items", args.num_items), ("max_tokens", args.max_tokens),
+                                               ("backend", args.backend)) if v is not None]
+    try:
+        recipe = load_recipe(ckpt / "recipe.yaml", overrides)
+    except RecipeError as exc:
+        print(f"bridge: eval: {exc}", file=sys.stderr)
+        return 2
+    _, eval_set = build_datasets(recipe.data, recipe.seed)
+    if eval_set is None:
+        print("bridge: eval: the run's recipe has no eval set (data.eval)", file=sys.stderr)
+        return 2
+    import torch
+
+    device = torch.device(args.device) if args.device else None
+    try:
+        report = evaluate_checkpoint(ckpt, eval_set, recipe.eval, device, args.output)
+    except (ValueError, RemoteError, BatchGenerationError) as exc:
+        print(f"bridge: eval: {str(exc)[:1000]}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
+    return 0
 
 
 def _launch_torchrun(argv: Sequence[str], nproc: int) -> int:
@@ -182,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)[:200]}")
         return _defaults(args.recipe)
+    if args.command == "eval":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)[:200]}")
+        return _eval(args)
     bad = [a for a in extra if "=" not in a or a.startswith("-")]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)[:200]}")

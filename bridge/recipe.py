@@ -227,6 +227,13 @@ SCHEMA: dict[str, Any] = {
             (str,),
             ("auto", "ddp", "fsdp"),
         ),
+        "mixed_precision": Field(
+            "none",
+            "FSDP2 only (train.distributed fsdp): bf16 all-gathers and computes the decoder layers in "
+            "bf16 while the sharded fp32 weights train and gradients reduce in fp32.",
+            (str,),
+            ("none", "bf16"),
+        ),
         "cache_tower_outputs": Field(
             False,
             "Keep a frozen tower's outputs per training item in device memory and run only the "
@@ -278,6 +285,12 @@ SCHEMA: dict[str, Any] = {
             hi=MAX_BATCH,
         ),
         "enforce_eager": Field(False, "Passed to runner.LLM (no CUDA graphs).", (bool,)),
+        "backend": Field(
+            None,
+            "null: evaluate in-process. An http(s):// URL: generate on that vLLM-compatible server "
+            "(vLLM --enable-prompt-embeds, or bridge serve) running the same base LLM; encoders stay here.",
+            (str, type(None)),
+        ),
     },
 }
 
@@ -532,6 +545,9 @@ def _check_semantics(r: Node, problems: list[str]) -> None:
         problems.append(f"train.betas: expected two numbers in [0, 1), got {_show(betas)}")
     if r.train.lora.enabled and r.train.trainable.llm:
         problems.append("train.lora.enabled and train.trainable.llm are exclusive: LoRA adapts a frozen LLM")
+    if r.eval.backend is not None and (not isinstance(r.eval.backend, str)
+                                       or not r.eval.backend.startswith(("http://", "https://"))):
+        problems.append(f"eval.backend: expected null or an http(s):// URL, got {_show(r.eval.backend)}")
     if r.stage == "align" and (r.train.trainable.llm or r.train.lora.enabled):
         problems.append("stage align keeps the LLM frozen: use stage finetune to train the LLM or LoRA")
     targets = r.train.lora.targets

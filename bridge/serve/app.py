@@ -111,9 +111,10 @@ def build_app(state: ServerState) -> Guards:
         await gen.submit()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(gen.completion_stream(include_usage), media_type="text/event-stream")
+            return StreamingResponse(gen.completion_stream(include_usage, bool(body.return_token_ids)),
+                                     media_type="text/event-stream")
         await gen.collect(raw)
-        return JSONResponse(gen.completion_response().model_dump())
+        return JSONResponse(gen.completion_response(bool(body.return_token_ids)).model_dump())
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

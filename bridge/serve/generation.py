@@ -197,14 +197,16 @@ class Generation:
             offset += len(text)
         return out
 
-    def completion_response(self) -> CompletionResponse:
+    def completion_response(self, return_token_ids: bool = False) -> CompletionResponse:
         choices = [CompletionChoice(index=c.index, text=c.text, logprobs=self.completion_logprobs(c, 0),
+                                    token_ids=list(c.token_ids) if return_token_ids else None,
                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for c in self.choices]
         return CompletionResponse(id=self.base_id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage())
 
-    async def completion_stream(self, include_usage: bool) -> AsyncIterator[str]:
+    async def completion_stream(self, include_usage: bool,
+                                return_token_ids: bool = False) -> AsyncIterator[str]:
         offsets = [0] * len(self.choices)
         async for item in self._guarded_stream():
             if isinstance(item, str):
@@ -220,6 +222,8 @@ class Generation:
                                   "logprobs": None if lp is None else lp.model_dump(),
                                   "finish_reason": delta.finish_reason if delta.finished else None,
                                   "stop_reason": delta.stop_reason if delta.finished else None}]}
+            if return_token_ids:
+                chunk["choices"][0]["token_ids"] = list(delta.new_token_ids)
             if include_usage:
                 chunk["usage"] = None
             yield _sse(chunk)

@@ -59,6 +59,8 @@ class CompletionRequest(_SamplingFields):
     prompt_embeds: StrictStr | list[StrictStr] | None = Field(
         default=None, description="base64 of torch.save of a (n, hidden) tensor (vLLM's format), or a list")
     logprobs: StrictInt | None = Field(default=None, ge=0)
+    return_token_ids: StrictBool | None = Field(
+        default=None, description="vLLM's extension: also return each choice's sampled token ids")
     echo: Literal[False] = False
     suffix: None = None
 
@@ -141,6 +143,7 @@ class CompletionLogprobs(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's field)
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

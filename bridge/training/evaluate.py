@@ -50,17 +50,33 @@ def evaluate_bridge(
 
 
 def evaluate_checkpoint(
-    ckpt: str | Path, dataset, eval_cfg, device: torch.device, out_path: str | Path | None = None
+    ckpt: str | Path,
+    dataset,
+    eval_cfg,
+    device: torch.device,
+    out_path: str | Path | None = None,
+    backend: Any = None,
 ) -> dict[str, Any]:
-    bridge = Bridge.from_checkpoint(ckpt, device=device, enforce_eager=eval_cfg.enforce_eager)
-    report = evaluate_bridge(
-        bridge,
-        dataset,
-        num_items=eval_cfg.num_items,
-        max_tokens=eval_cfg.max_tokens,
-        num_samples=eval_cfg.num_samples,
+    """`backend` (else the recipe's `eval.backend`): a vLLM-compatible server's URL to generate on;
+    the encoders run here either way."""
+    backend = backend if backend is not None else eval_cfg.get("backend")
+    bridge = Bridge.from_checkpoint(
+        ckpt, device=device, enforce_eager=eval_cfg.enforce_eager, backend=backend
     )
+    try:
+        report = evaluate_bridge(
+            bridge,
+            dataset,
+            num_items=eval_cfg.num_items,
+            max_tokens=eval_cfg.max_tokens,
+            num_samples=eval_cfg.num_samples,
+        )
+    finally:
+        if backend is not None:
+            bridge.backend.close()
     report["checkpoint"] = str(ckpt)
+    if backend is not None:
+        report["backend"] = backend if isinstance(backend, str) else repr(backend)
     if out_path is not None:
         Path(out_path).write_text(json.dumps(report, indent=2))
     return report

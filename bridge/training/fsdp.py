@@ -57,15 +57,41 @@ def decoder_layers(llm: nn.Module) -> list[nn.Module]:
     return []
 
 
-def shard_model(model: nn.Module, llm: nn.Module, device: torch.device, world_size: int) -> nn.Module:
-    """FSDP2 in place: each decoder layer of `llm`, then `model` (the root). Must run before the
-    optimizer is built: it replaces the parameters with sharded DTensors."""
+MIXED_PRECISION = ("none", "bf16")
+
+
+def mixed_precision_policy(kind: str):
+    """FSDP2's MixedPrecisionPolicy for `train.mixed_precision`, or None for "none".
+
+    bf16: each decoder layer's weights are all-gathered and computed in bf16 (half the all-gather
+    bytes and bf16 matmuls), while the sharded parameters the optimizer steps stay fp32 and
+    gradients are reduce-scattered in fp32 (summing many bf16 gradients loses bits). The layer
+    casts its floating inputs to bf16 and hands fp32 back, so the root (encoders, embeddings,
+    final norm, LM head: small, and fed fp32 media) keeps full precision.
+    """
+    if kind not in MIXED_PRECISION:
+        raise ValueError(f"train.mixed_precision: {kind!r} is not one of {list(MIXED_PRECISION)}")
+    if kind == "none":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32)
+
+
+def shard_model(
+    model: nn.Module, llm: nn.Module, device: torch.device, world_size: int, mixed_precision: str = "none"
+) -> nn.Module:
+    """FSDP2 in place: each decoder layer of `llm` (under `mixed_precision`'s policy), then `model`
+    (the root). Must run before the optimizer is built: it replaces the parameters with sharded
+    DTensors."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    policy = mixed_precision_policy(mixed_precision)
     mesh = init_device_mesh(device.type, (world_size,))
     for layer in decoder_layers(llm):
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **({"mp_policy": policy} if policy is not None else {}))
     fully_shard(model, mesh=mesh)
     return model
 

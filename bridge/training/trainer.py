@@ -148,8 +148,13 @@ class Trainer:
             self.model.tower_cache = {}
         self.encoders = {encoder.modality: encoder}
         self.wrapper = resolve_wrapper(recipe.train.distributed, self.plan.llm_full, self.dist)
+        if recipe.train.mixed_precision != "none" and self.wrapper != "fsdp":
+            raise ValueError(
+                f"train.mixed_precision={recipe.train.mixed_precision} needs FSDP2 (this run uses "
+                f"{self.wrapper}); use train.precision=bf16 (autocast) instead"
+            )
         if self.wrapper == "fsdp":  # before the optimizer: sharding replaces the parameters
-            shard_model(self.model, self.llm, self.device, self.dist.world_size)
+            shard_model(self.model, self.llm, self.device, self.dist.world_size, recipe.train.mixed_precision)
 
         tr = recipe.train
         enc_params = [p for p in self.model.encoders.parameters() if p.requires_grad]
