@@ -41,11 +41,10 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from generate import build_model, log, sync, workload  # noqa: E402
+from generate import build_model, log, run_bridge, workload  # noqa: E402
 
 from bridge.wire import encode_prompt_embeds  # noqa: E402
 from runner.llm import LLM  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -62,15 +61,8 @@ def engine_settings(args, max_len: int) -> dict:
 
 
 def offline_run(llm: LLM, embeds: list[torch.Tensor], output_lens: list[int], device) -> dict:
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in output_lens]
-    prompts = [{"prompt_embeds": e} for e in embeds]
-    sync(device)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    dt = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"tok_s": n / dt, "seconds": dt, "output_tokens": n}
+    """Offline `LLM.generate` on the same prompt-embeds requests (generate.py's timed run)."""
+    return run_bridge(llm, [{"prompt_embeds": e} for e in embeds], output_lens, device)
 
 
 # ------------------------------------------------------------------------------------------ server
