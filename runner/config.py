@@ -69,7 +69,9 @@ class EngineConfig:
     (256 on a GPU, 32 on the CPU), `max_num_batched_tokens` (8192 / 2048), `max_model_len` (the
     model's context), `decode_window` (32 with CUDA graphs, else 1), and the kernel switches
     `fused_ops` / `fused_linear` / `fused_layers` (on on the GPU unless BRIDGE_FUSED_OPS /
-    BRIDGE_FUSED_LINEAR / BRIDGE_FUSED_LAYERS is '0'; off on the CPU).
+    BRIDGE_FUSED_LINEAR / BRIDGE_FUSED_LAYERS is '0'; off on the CPU), and `warmup` (on on the GPU:
+    a few dummy requests at construction compile the step's kernels, so the first real call does
+    not pay for it).
     """
 
     model: str
@@ -92,6 +94,7 @@ class EngineConfig:
     fused_ops: bool | None = None
     fused_linear: bool | None = None
     fused_layers: bool | None = None
+    warmup: bool | None = None
 
     @property
     def on_gpu(self) -> bool:
@@ -141,6 +144,8 @@ class EngineConfig:
             c.fused_linear = c.fused_ops and _env_switch("BRIDGE_FUSED_LINEAR")
         if c.fused_layers is None:
             c.fused_layers = c.fused_linear and _env_switch("BRIDGE_FUSED_LAYERS")
+        if c.warmup is None:
+            c.warmup = gpu
         return c
 
 

@@ -29,12 +29,14 @@ from transformers import AutoTokenizer, GenerationConfig
 from runner.config import EngineConfig
 from runner.engine.core import EngineCore
 from runner.engine.prompts import PromptProcessor, PromptType
+from runner.engine.warmup import warm_up
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
 from runner.multimodal.state import MultimodalState
 from runner.outputs import GenerationError, RequestOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.hf_config import text_config
+from runner.worker.memory_report import memory_report
 from runner.worker.model_files import check_model_files
 from runner.worker.model_states import load_hf_config, resolve_model_state_cls
 
@@ -74,7 +76,9 @@ class LLM:
     while step n runs on the device. `fused_ops` / `fused_linear` / `fused_layers` choose Bridge's
     fused kernels (default: on on the GPU). Counters for tests and monitoring: `num_free_blocks`,
     `num_total_blocks`, `num_free_slots`, `num_total_slots`, `num_steps`, `num_preemptions`,
-    `num_async_steps`. `hidden_size` is the width a `prompt_embeds` tensor must have.
+    `num_async_steps`. `hidden_size` is the width a `prompt_embeds` tensor must have. `warmup`
+    (default on on the GPU) runs a few dummy requests at construction so the first call does not
+    compile kernels; `memory_report()` says where the device memory went.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class LLM:
         fused_ops: bool | None = None,
         fused_linear: bool | None = None,
         fused_layers: bool | None = None,
+        warmup: bool | None = None,
     ) -> None:
         self._lock = threading.RLock()
         model_dir = str(model)
@@ -120,7 +125,7 @@ class LLM:
             enforce_eager=enforce_eager, seed=seed, decode_window=decode_window,
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             encoder_cache_budget=encoder_cache_budget, fused_ops=fused_ops, fused_linear=fused_linear,
-            fused_layers=fused_layers,
+            fused_layers=fused_layers, warmup=warmup,
         ).resolve(hf_config)
         self.config = hf_config
         self.enable_prompt_embeds = enable_prompt_embeds
@@ -145,14 +150,23 @@ class LLM:
             max_model_len=self.max_model_len, enable_prompt_embeds=enable_prompt_embeds,
             eos_token_ids=self.eos_token_ids, mm=self.mm, device=self.device, dtype=config.dtype,
             model_state_cls=self.model_state_cls, hf_config=hf_config, on_multimodal=self._allow_mm,
+            uploader=self.runner.uploader,
+            # prefix-cache keys hash the rows on the host: keep host tensors there
+            keep_device_embeds=not config.enable_prefix_caching,
         )
         self._request_counter = itertools.count()
         # Requests added with `add_request` that `step()` reports on, and those a `generate` call
         # advanced meanwhile (reported by the next `step()`).
         self._live_requests: dict[str, Any] = {}
         self._advanced_live: set[str] = set()
+        self.warmup_seconds = warm_up(self) if config.warmup else 0.0
 
     # ----------------------------------------------------------------------------- parts
+    def memory_report(self) -> dict:
+        """Device memory by owner (weights, KV cache, activation peak, CUDA graph pools, staging
+        buffers) and the KV pool in blocks and tokens (`runner.worker.memory_report`)."""
+        return memory_report(self.runner)
+
     @property
     def runner(self):
         """The model runner (`runner.worker.model_runner.ModelRunner`)."""

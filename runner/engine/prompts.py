@@ -29,6 +29,7 @@ from runner.multimodal.placeholders import (
 from runner.multimodal.prompt_text import split_at_placeholders
 from runner.multimodal.state import MultimodalState
 from runner.sampling_params import SamplingParams
+from runner.worker.host_upload import HostUploader
 from runner.worker.model_states import ModelState
 
 PromptType = str | dict[str, Any]
@@ -68,6 +69,31 @@ def check_embeds_finite(parsed: Sequence[ParsedPrompt], dtype: torch.dtype | Non
                          f"of the model dtype {dtype})")
 
 
+def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader, *,
+                 keep: bool) -> None:
+    """Upload every prompt's embeds through `uploader` (pinned ring, copy stream) and check them there:
+    NaN/Inf, or a value the cast to `dtype` turns into Inf, is a ValueError naming the first such prompt.
+
+    The check costs the host one `memcpy` per prompt and one wait on the copy stream per call, where a
+    check on the CPU cost several passes over the rows. With `keep`, a prompt's device copy replaces
+    its host tensor while the uploader's keep budget allows, so admission uploads nothing; the others
+    are uploaded again (asynchronously) when admitted.
+    """
+    flags, where = [], []
+    for i, p in enumerate(parsed):
+        if p.embeds is None:
+            continue
+        rows, ok = uploader.upload(p.embeds, dtype, check_fits=True)
+        flags.append(ok)
+        where.append(i)
+        if keep and uploader.keep(rows):
+            p.embeds = rows
+    bad = [i for i, ok in zip(where, uploader.read_flags(flags)) if not ok]
+    if bad:
+        raise ValueError(f"prompt {min(bad)}: prompt_embeds contains NaN or Inf (or values beyond the range "
+                         f"of the model dtype {dtype})")
+
+
 class PromptProcessor:
     """Turns prompts into `Request`s for one engine (its tokenizer, vocabulary, context, media).
 
@@ -90,6 +116,8 @@ class PromptProcessor:
         model_state_cls: type[ModelState],
         hf_config: Any,
         on_multimodal: Callable[[], None],
+        uploader: HostUploader | None = None,
+        keep_device_embeds: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -103,13 +131,19 @@ class PromptProcessor:
         self.model_state_cls = model_state_cls
         self.hf_config = hf_config
         self.on_multimodal = on_multimodal
+        # On a GPU, embeds are checked (and kept, within a budget) on the device; off it, on the CPU.
+        self.uploader = uploader if uploader is not None and uploader.cuda else None
+        self.keep_device_embeds = keep_device_embeds
 
     # ----------------------------------------------------------------------------- whole calls
     def process(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
                 request_ids: Sequence[str], *, stream_text: bool = False) -> list[Request]:
         """Validate every prompt and its params, then build the requests (all or none)."""
         parsed = [self.parse(i, p) for i, p in enumerate(prompts)]
-        check_embeds_finite(parsed, self.dtype)
+        if self.uploader is not None:
+            stage_embeds(parsed, self.dtype, self.uploader, keep=self.keep_device_embeds)
+        else:
+            check_embeds_finite(parsed, self.dtype)
         for i, (pp, sp) in enumerate(zip(parsed, params)):
             self.check_params(i, pp, sp)
         return [self.make_request(rid, i, pp, sp, stream_text=stream_text)
@@ -328,4 +362,4 @@ class PromptProcessor:
         return req
 
 
-__all__ = ["ParsedPrompt", "PromptProcessor", "PromptType", "check_embeds_finite"]
+__all__ = ["ParsedPrompt", "PromptProcessor", "PromptType", "check_embeds_finite", "stage_embeds"]

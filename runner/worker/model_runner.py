@@ -35,6 +35,7 @@ from runner.layers.sampler import Sampler
 from runner.multimodal.state import MultimodalState
 from runner.worker.cuda_graphs import DecodeGraphs, cuda_graph_batch_sizes
 from runner.worker.hf_config import text_config
+from runner.worker.host_upload import HostUploader
 from runner.worker.inputs_embeds import InputsEmbedsBuilder
 from runner.worker.kernels import install_kernels
 from runner.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
@@ -90,13 +91,17 @@ class ModelRunner:
         self.set_max_model_len(config.max_model_len)
         self.embeds_builder = InputsEmbedsBuilder(config.max_num_batched_tokens, self.hidden_size, dtype,
                                                   device)
-        self.prompt_embeds_state = (PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device)
+        # Host tensors (prompt embeds, passthrough items) reach the device through one uploader.
+        self.uploader = HostUploader(device)
+        self.prompt_embeds_state = (PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device,
+                                                      uploader=self.uploader)
                                     if config.enable_prompt_embeds else None)
         # Encoders, encoder cache, M-RoPE positions (runner.multimodal.state).
         self.mm = mm
         self.sampler = Sampler()
         self.decode_graphs = DecodeGraphs()
         self.num_graph_replays = 0
+        self.activation_peak_bytes = self.cuda_graph_pool_bytes = 0  # measured by setup()
         self.num_decode_windows = 0
         self.num_forward_steps = 0
         # Async scheduling: input ids copied on the device from the step in flight (pinned index
@@ -169,7 +174,8 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         if on_gpu:  # engines dropped without shutdown() may sit in reference cycles: free them first
             gc.collect()
-        peak = self.profile_peak_memory() if on_gpu and c.kv_cache_memory is None else 0
+        peak = self.activation_peak_bytes = (self.profile_peak_memory()
+                                             if on_gpu and c.kv_cache_memory is None else 0)
         num_blocks = determine_num_blocks(
             self.kv_spec, self.device, num_kv_blocks=c.num_kv_blocks, kv_cache_memory=c.kv_cache_memory,
             gpu_memory_utilization=c.gpu_memory_utilization,
@@ -181,7 +187,9 @@ class ModelRunner:
             self.set_max_model_len(num_blocks * self.block_size)
         self.allocate_kv_cache(num_blocks)
         if c.use_cuda_graphs:
+            before = torch.cuda.memory_reserved(self.device)
             self.capture_cuda_graphs()
+            self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
 
     def release(self) -> None:
         """Drop everything this runner holds on the device: graphs, KV cache, buffers, the model."""
@@ -191,6 +199,7 @@ class ModelRunner:
         self.prompt_embeds_state = None
         self.embeds_builder = None
         self.staging = None
+        self.uploader = None
         self._feed_host = self._feed_dev = None
         self.model = self.decoder = self.embed_tokens = self.lm_head = None
 
@@ -204,8 +213,10 @@ class ModelRunner:
             self.token_table[slot, request.num_prompt_tokens : n] = request.output_token_ids
         self.num_blocks_known[slot] = 0
         if request.prompt_embeds is not None:
+            # A device tensor here is the engine's own copy (PromptProcessor kept its upload).
             self.prompt_embeds_state.add_request(slot, request.request_id, request.prompt_embeds,
-                                                 request.is_token_ids)
+                                                 request.is_token_ids,
+                                                 owned=request.prompt_embeds.device.type != "cpu")
         if self.mm is not None:
             self.mm.add_request(request)
 

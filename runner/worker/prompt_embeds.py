@@ -30,6 +30,7 @@ import torch
 
 if TYPE_CHECKING:
     from runner.layers.overlay_kernel import OverlayConfig
+    from runner.worker.host_upload import HostUploader
 
 __all__ = ["PromptEmbedsState"]
 
@@ -57,6 +58,7 @@ class PromptEmbedsState:
         *,
         use_triton: bool | None = None,
         kernel_config: OverlayConfig | None = None,
+        uploader: HostUploader | None = None,
     ) -> None:
         if not isinstance(max_num_reqs, int) or max_num_reqs <= 0:
             raise ValueError(f"max_num_reqs must be a positive int, got {max_num_reqs!r}")
@@ -73,6 +75,7 @@ class PromptEmbedsState:
         self.device = device
         self.use_triton = device.type == "cuda" if use_triton is None else bool(use_triton)
         self.kernel_config = kernel_config
+        self.uploader = uploader
         self._launch = None
         if self.use_triton:
             # Imported lazily so TRITON_INTERPRET (read when kernels are decorated) can be set
@@ -113,11 +116,15 @@ class PromptEmbedsState:
         req_id: str,
         prompt_embeds: torch.Tensor | None,
         is_token_ids: torch.Tensor | None = None,
+        *,
+        owned: bool = False,
     ) -> None:
         """Put `req_id` in slot `req_index`, with its embeddings (or none, which clears the slot).
 
         Whatever occupied the slot before is released, so a reused slot never serves the
-        previous occupant's rows; if `req_id` sat in another slot it moves here.
+        previous occupant's rows; if `req_id` sat in another slot it moves here. `owned`: the
+        tensor is the engine's own device copy (nobody else writes it), so a tensor already on the
+        device in the model dtype is used as it is instead of copied.
         """
         if not isinstance(req_index, int) or not 0 <= req_index < self.max_num_reqs:
             raise ValueError(f"req_index must be an int in [0, {self.max_num_reqs}), got {req_index!r}")
@@ -132,9 +139,15 @@ class PromptEmbedsState:
         if rows is None:
             return
 
-        # One host-to-device copy per request, cast to the model dtype on the way.
-        dev_rows = torch.empty(rows.shape, dtype=self.dtype, device=self.device)
-        dev_rows.copy_(rows, non_blocking=not rows.is_pinned())
+        # At most one copy per request, cast to the model dtype on the way; a host tensor goes
+        # through the uploader's pinned ring and copy stream (the host never waits for the GPU).
+        if owned and rows.device == self.device and rows.dtype == self.dtype:
+            dev_rows = rows
+        elif self.uploader is not None and rows.device.type == "cpu":
+            dev_rows, _ = self.uploader.upload(rows, self.dtype)
+        else:
+            dev_rows = torch.empty(rows.shape, dtype=self.dtype, device=self.device)
+            dev_rows.copy_(rows, non_blocking=not rows.is_pinned())
         dev_mask = None
         if mask is not None:
             dev_mask = torch.empty(mask.shape, dtype=torch.uint8, device=self.device)

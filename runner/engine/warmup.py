@@ -1,0 +1,92 @@
+"""Warm-up at construction: a few dummy requests through the whole step path, so the first real
+`generate` does not compile kernels.
+
+Why: Triton compiles (or loads from its disk cache) one kernel per specialisation the first time
+a launch sees it, and CUDA loads a module the first time one of its kernels runs. The profiling
+step compiles the prefill of one long request and graph capture the decode steps, but the first
+real call still met new specialisations: the prompt-embeds overlay, a short prefill of one request,
+several requests in one prefill step, a step mixing prefills and decodes, the sampler's non-greedy
+path. One generate of a 512-row prompt paid about 5 s for them.
+
+The warm-up requests cover those shapes and are then forgotten: every `num_*` counter of the
+engine's parts is put back, so the counters describe the caller's requests only. The KV blocks and
+slots go back to the pool when the requests finish, as for any request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from runner.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the LLM calls this module, not the other way round
+    from runner.llm import LLM
+
+logger = logging.getLogger(__name__)
+
+
+def _counter_owners(llm: LLM) -> list[Any]:
+    core = llm.core
+    owners = [llm, core, core.scheduler, core.runner, getattr(core.scheduler, "block_manager", None),
+              llm.mm, getattr(llm.mm, "cache", None), getattr(core.runner, "uploader", None)]
+    return [o for o in owners if o is not None]
+
+
+def _snapshot(owners: list[Any]) -> list[tuple[Any, str, int]]:
+    """The int `num_*` attributes held in each owner's own __dict__ (not properties)."""
+    return [(o, k, v) for o in owners for k, v in vars(o).items()
+            if k.startswith("num_") and type(v) is int]
+
+
+def warm_up_prompts(llm: LLM) -> tuple[list[Any], list[SamplingParams]]:
+    """The dummy requests: one long prompt alone, a batch of short ones (embeds and ids mixed, decoded
+    a few steps so prefills and decodes share steps), and one sampled request."""
+    vocab = llm.runner.vocab_size
+    long_n = max(2, min(512, llm.max_model_len - 8, llm.engine_config.max_num_batched_tokens))
+    short_n = max(1, min(33, llm.max_model_len - 8))
+    ids = [(7 * i + 3) % vocab for i in range(long_n)]
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    few = SamplingParams(max_tokens=min(4, max(1, llm.max_model_len - short_n)), temperature=0.0,
+                         ignore_eos=True)
+    sampled = SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=5, seed=0, ignore_eos=True)
+    if llm.enable_prompt_embeds:
+        hidden, dtype = llm.hidden_size, llm.engine_config.dtype
+        prompts = [{"prompt_embeds": torch.zeros(long_n, hidden, dtype=dtype)},
+                   {"prompt_embeds": torch.zeros(short_n - 16 if short_n > 16 else short_n, hidden,
+                                                 dtype=dtype)},
+                   {"prompt_token_ids": ids[:short_n]},
+                   {"prompt_token_ids": ids[1 : short_n + 1]}]
+    else:
+        prompts = [{"prompt_token_ids": ids}, {"prompt_token_ids": ids[2 : short_n - 14]},
+                   {"prompt_token_ids": ids[:short_n]}, {"prompt_token_ids": ids[1 : short_n + 1]}]
+    params = [greedy, few, few, sampled]
+    return prompts, params
+
+
+def warm_up(llm: LLM) -> float:
+    """Run the warm-up requests through `llm.generate`, then restore the counters; returns seconds."""
+    if llm.max_model_len < 48:  # too short a context for the dummy prompts: nothing to gain
+        return 0.0
+    t0 = time.perf_counter()
+    owners = _counter_owners(llm)
+    saved = _snapshot(owners)
+    prompts, params = warm_up_prompts(llm)
+    # One call per shape: the long prompt alone is the first-request case, the rest a mixed batch.
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    llm.generate(prompts[1:], params[1:], use_tqdm=False)
+    for owner, name, value in saved:
+        setattr(owner, name, value)
+    llm._request_counter = itertools.count()
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize(llm.device)
+    seconds = time.perf_counter() - t0
+    logger.info("warm-up: %.2f s", seconds)
+    return seconds
+
+
+__all__ = ["warm_up", "warm_up_prompts"]

@@ -1,0 +1,149 @@
+"""Host tensors to the device without making the host wait for the GPU's queue.
+
+Prompt embeddings arrive as pageable CPU tensors (from `torch.load`, a data loader, an HTTP body).
+`tensor.to("cuda")` from pageable memory is synchronous for the host in practice: the driver stages
+the bytes itself and the call returns only once the copy has run, which on the engine's stream is
+after every step already queued (a whole decode window). Once per request, that serialised the
+host with the GPU; and checking the rows for NaN/Inf on the CPU cost more host time than the copy.
+
+`HostUploader` instead:
+- copies the source bytes into a ring of pinned host memory (one host pass, `memcpy` speed),
+- starts the host-to-device copy from there on its own CUDA stream (the copy engine runs beside
+  the compute queue, not behind it),
+- checks finiteness on the device on that stream when asked (one small kernel per tensor),
+- makes the caller's stream wait for the copy with an event (no host sync), and `record_stream`s
+  the result so the caching allocator never reuses it under a pending read.
+
+A ring region is written again only after the event of the copy that read it has fired; with the
+copy stream free of compute, that wait is a PCIe transfer at most. Tensors larger than the ring go
+through it in chunks, so the pinned memory stays bounded whatever the input.
+
+On a CPU device the uploader makes a plain owned copy (the checks run on the CPU).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+
+import torch
+
+from runner.multimodal.placeholders import fits_dtype
+
+#: pinned staging ring (allocated on first use)
+DEFAULT_RING_BYTES = 64 << 20
+#: device bytes of validated prompt embeddings that may wait on the device for their request's
+#: admission (beyond it, a prompt's rows stay on the host and are uploaded when it is admitted)
+DEFAULT_KEEP_BYTES = 256 << 20
+_ALIGN = 256
+
+
+class HostUploader:
+    """Asynchronous, host-bounded uploads of host tensors to one device (see the module docstring)."""
+
+    def __init__(self, device: torch.device, ring_bytes: int = DEFAULT_RING_BYTES,
+                 keep_bytes: int = DEFAULT_KEEP_BYTES) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.ring_bytes = max(_ALIGN * 16, int(ring_bytes))
+        self._ring: torch.Tensor | None = None
+        self._head = 0
+        self._pending: deque = deque()  # (start, end, event) of copies that may still read the ring
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.num_uploads = 0
+        self.bytes_uploaded = 0
+        self.keep_bytes = int(keep_bytes)
+        self.kept_bytes = 0  # device bytes of kept uploads still alive (see `keep`)
+
+    # ----------------------------------------------------------------------------- public
+    def upload(self, src: torch.Tensor, dtype: torch.dtype, *,
+               check_fits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A device copy of `src` cast to `dtype`, owned by the caller and usable on the current stream.
+
+        Returns `(tensor, ok)`: `ok` is a device bool (`fits_dtype`) when `check_fits`, else None. The
+        copy and the check run on the uploader's stream; read `ok` with `read_flags`, which waits for
+        that stream only.
+        """
+        src = src.detach()
+        if not self.cuda:
+            out = src.to(dtype=dtype, copy=True)
+            return out, (fits_dtype(src, dtype) if check_fits else None)
+        consumer = torch.cuda.current_stream(self.device)
+        self.num_uploads += 1
+        if src.device.type == "cuda":  # already on a GPU: an ordinary stream-ordered copy
+            out = src.to(device=self.device, dtype=dtype, copy=True)
+            ok = None
+            if check_fits:  # checked on the uploader's stream, after the caller's queued work
+                self._stream.wait_stream(consumer)
+                with torch.cuda.stream(self._stream):
+                    ok = fits_dtype(src, dtype)
+                src.record_stream(self._stream)
+            return out, ok
+        src = src.contiguous()
+        with torch.cuda.stream(self._stream):
+            staged = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            self._copy_in(src, staged)
+            ok = fits_dtype(staged, dtype) if check_fits else None
+            out = staged if src.dtype == dtype else staged.to(dtype)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        consumer.wait_event(done)
+        out.record_stream(consumer)
+        return out, ok
+
+    def keep(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` (an upload) may stay on the device until its request runs: True while the
+        kept uploads alive total at most `keep_bytes`. The bytes come back when `tensor` is freed."""
+        n = tensor.numel() * tensor.element_size()
+        if not self.cuda or self.kept_bytes + n > self.keep_bytes:
+            return False
+        self.kept_bytes += n
+        weakref.finalize(tensor, self._give_back, n)
+        return True
+
+    def _give_back(self, n: int) -> None:
+        self.kept_bytes -= n
+
+    def read_flags(self, flags: list[torch.Tensor]) -> list[bool]:
+        """The values of device bools from `upload(..., check_fits=True)`, waiting for the copy
+        stream only (not for the steps queued on the compute stream)."""
+        if not flags:
+            return []
+        if not self.cuda or flags[0].device.type != "cuda":
+            return [bool(f) for f in flags]
+        with torch.cuda.stream(self._stream):  # every flag was made on this stream
+            return torch.stack(flags).cpu().tolist()
+
+    # ----------------------------------------------------------------------------- the ring
+    def _copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy `src` (host, contiguous) into `dst` (device, same shape and dtype) through the ring,
+        on the current (the uploader's) stream."""
+        src_bytes = src.reshape(-1).view(torch.uint8)
+        dst_bytes = dst.reshape(-1).view(torch.uint8)
+        chunk = self.ring_bytes // 4
+        for start in range(0, src_bytes.numel(), chunk):
+            n = min(chunk, src_bytes.numel() - start)
+            lo = self._reserve(n)
+            staging = self._ring[lo : lo + n]
+            staging.copy_(src_bytes[start : start + n])
+            dst_bytes[start : start + n].copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            self._pending.append((lo, lo + n, event))
+            self.bytes_uploaded += n
+
+    def _reserve(self, n: int) -> int:
+        """The start of a free ring region of `n` bytes, waiting for the copies still reading it."""
+        if self._ring is None:
+            self._ring = torch.empty(self.ring_bytes, dtype=torch.uint8, pin_memory=True)
+        lo = -(-self._head // _ALIGN) * _ALIGN
+        if lo + n > self.ring_bytes:
+            lo = 0
+        hi = lo + n
+        while self._pending and any(s < hi and lo < e for s, e, _ in self._pending):
+            self._pending.popleft()[2].synchronize()
+        self._head = hi
+        return lo
+
+
+__all__ = ["DEFAULT_KEEP_BYTES", "DEFAULT_RING_BYTES", "HostUploader"]

@@ -1,0 +1,113 @@
+"""Warm-up at construction and the host uploader.
+
+The warm-up's dummy requests must leave nothing behind: counters as before, every KV block and slot
+free, the same outputs for the caller's requests. The uploader must give back exactly the rows it
+was handed (cast to the model dtype), catch NaN/Inf on the device, keep its pinned memory bounded
+(tensors larger than the ring go through in chunks) and release its keep budget when a kept tensor
+is freed. The CUDA parts are marked `gpu`; the CPU device path is tested here too.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from bridge.tiny_models import build_tiny_model
+from runner import LLM, SamplingParams
+from runner.worker.host_upload import HostUploader
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_root):
+    return build_tiny_model(tiny_model_root / "warmup_qwen3", "qwen3", seed=3, max_position_embeddings=256)
+
+
+def _counters(llm: LLM) -> dict:
+    return {"steps": llm.num_steps, "preemptions": llm.num_preemptions, "async": llm.num_async_steps,
+            "forward": llm.runner.num_forward_steps, "replays": llm.runner.num_graph_replays,
+            "windows": llm.runner.num_decode_windows}
+
+
+def test_warm_up_leaves_no_trace_and_changes_no_output(model_dir, one_cpu_thread):
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10]},
+               {"prompt_embeds": torch.randn(9, 64, generator=torch.Generator().manual_seed(0))}]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    cold = LLM(model_dir, enable_prompt_embeds=True, num_kv_blocks=64, warmup=False)
+    expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
+    fresh_counters = _counters(LLM(model_dir, enable_prompt_embeds=True, num_kv_blocks=64, warmup=False))
+    cold.shutdown()
+
+    warm = LLM(model_dir, enable_prompt_embeds=True, num_kv_blocks=64, warmup=True)
+    assert warm.warmup_seconds > 0
+    assert _counters(warm) == fresh_counters  # the dummy requests are not counted
+    assert warm.num_free_blocks == warm.num_total_blocks and warm.num_free_slots == warm.num_total_slots
+    outs = warm.generate(prompts, params, use_tqdm=False)
+    assert [o.request_id for o in outs] == ["0", "1"]  # ids start where a cold engine's do
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    warm.shutdown()
+
+
+def test_warm_up_is_off_on_the_cpu_by_default(model_dir, one_cpu_thread):
+    llm = LLM(model_dir, num_kv_blocks=32)
+    assert llm.engine_config.warmup is False and llm.warmup_seconds == 0.0
+    report = llm.memory_report()
+    assert report["num_kv_blocks"] == 32 and report["kv_cache_tokens"] == 32 * report["block_size"]
+    assert report["weights_bytes"] > 0 and report["kv_cache_bytes"] > 0
+    llm.shutdown()
+
+
+def test_cpu_uploader_copies_and_checks():
+    up = HostUploader(torch.device("cpu"))
+    src = torch.randn(5, 8)
+    out, ok = up.upload(src, torch.bfloat16, check_fits=True)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, src.to(torch.bfloat16))
+    src[0, 0] = 7.0
+    assert out[0, 0].item() != 7.0  # an owned copy
+    bad = torch.tensor([[1.0, float("nan")]])
+    assert up.read_flags([ok, up.upload(bad, torch.float32, check_fits=True)[1]]) == [True, False]
+    assert not up.keep(out)  # nothing is kept on a CPU device
+
+
+@pytest.mark.gpu
+def test_gpu_uploader_round_trips_in_chunks_and_bounds_its_memory():
+    up = HostUploader(torch.device("cuda"), ring_bytes=1 << 16, keep_bytes=1 << 20)
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, 64, generator=g) for n in (3, 700, 1, 2048)]  # 2048 x 64 x 4 > the ring
+    outs = [up.upload(t, torch.bfloat16, check_fits=True) for t in tensors]
+    assert up.read_flags([ok for _, ok in outs]) == [True] * 4
+    for t, (out, _) in zip(tensors, outs):
+        assert out.is_cuda and out.dtype == torch.bfloat16
+        assert torch.equal(out.cpu(), t.to(torch.bfloat16))
+    assert up._ring.numel() == 1 << 16 and up._ring.is_pinned()
+    inf = torch.tensor([[1e39, 0.0]], dtype=torch.float64)  # finite in float64, Inf in bfloat16
+    assert up.read_flags([up.upload(inf, torch.bfloat16, check_fits=True)[1]]) == [False]
+    kept, _ = up.upload(torch.ones(1024, 64), torch.float32)
+    assert up.keep(kept) and up.kept_bytes == 1024 * 64 * 4
+    big, _ = up.upload(torch.ones(2048, 64), torch.float32)
+    assert not up.keep(big)  # over the keep budget
+    del kept
+    gc.collect()
+    assert up.kept_bytes == 0
+
+
+@pytest.mark.gpu
+def test_gpu_cpu_tensor_embeds_match_device_embeds_and_ids(model_dir):
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (40, 7, 300)]
+    llm = LLM(model_dir, enable_prompt_embeds=True, dtype="float32", num_kv_blocks=256)
+    table = llm.runner.embed_tokens.weight.detach()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    by_ids = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    on_host = llm.generate([{"prompt_embeds": table[i].cpu()} for i in ids], params, use_tqdm=False)
+    on_device = llm.generate([{"prompt_embeds": table[i]} for i in ids], params, use_tqdm=False)
+    toks = [[o.outputs[0].token_ids for o in outs] for outs in (by_ids, on_host, on_device)]
+    assert toks[0] == toks[1] == toks[2]
+    with pytest.raises(ValueError, match="prompt 1: prompt_embeds contains NaN"):
+        llm.generate([{"prompt_embeds": table[ids[0]].cpu()},
+                      {"prompt_embeds": torch.full((4, table.shape[1]), float("nan"))}], params)
+    assert llm.num_free_blocks == llm.num_total_blocks
+    report = llm.memory_report()
+    assert report["weights_bytes"] > 0 and report["reserved_bytes"] >= report["allocated_bytes"]
+    llm.shutdown()
