@@ -249,6 +249,18 @@ SCHEMA: dict[str, Any] = {
             lo=0,
             hi=4096,
         ),
+        "num_workers": Field(
+            None,
+            "DataLoader worker processes that draw, preprocess, tokenize and collate micro-batches "
+            "ahead of the step (null: min(4, CPUs per rank - 1) on CUDA, 0 on the CPU; 0: in the "
+            "training process). Batches are identical whatever the count.",
+            (int, type(None)),
+            lo=0,
+            hi=256,
+        ),
+        "prefetch_factor": Field(
+            2, "Micro-batches each loader worker keeps ready (train.num_workers > 0).", (int,), lo=1, hi=64
+        ),
         "log_every": Field(10, "Write metrics every N optimizer steps.", (int,), lo=1, hi=10**9),
         "checkpoint_every": Field(
             0, "Checkpoint every N optimizer steps (0: only at the end).", (int,), lo=0, hi=10**9

@@ -1,5 +1,6 @@
 """DDP and FSDP2 on the CPU with the gloo backend: `bridge train --nproc 2` (which launches torchrun)
-gives the same per-step losses as one rank with the same global batch.
+gives the same per-step losses as one rank with the same global batch, with or without DataLoader
+workers (`train.num_workers`) building each rank's micro-batches.
 
 Why they can match: every rank takes its slice of the same seeded global batch (sampler.py), the
 loss is a per-sample mean averaged over samples (so the mean of two ranks' means is the global
@@ -67,7 +68,8 @@ def test_two_gloo_ranks_match_one_rank_with_the_same_global_batch(tmp_path):
     recipe = tmp_path / "ddp.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE))
     one = _start(recipe, tmp_path / "one", "train.batch_size=8")  # alongside the 2-rank run
-    two = _start(recipe, tmp_path / "two", "--nproc", "2", "train.batch_size=4")
+    # the 2-rank run builds its batches in a loader worker per rank: the same rank slices
+    two = _start(recipe, tmp_path / "two", "--nproc", "2", "train.batch_size=4", "train.num_workers=1")
     assert "torch.distributed.run" in _finish(two)  # the shortcut really launched torchrun
     _finish(one)
     meta = json.loads((tmp_path / "two" / "checkpoints" / "step_4" / "meta.json").read_text())
@@ -97,7 +99,8 @@ def test_fsdp_unfrozen_llm_matches_one_rank_and_resumes_exactly(tmp_path):
     reference = _start(recipe, one, "train.batch_size=4")
     first = _start(recipe, two, "--nproc", "2", "train.batch_size=2", "train.max_steps=2")
     assert "torch.distributed.run" in _finish(first)
-    resumed = _finish(_start(recipe, two, "--nproc", "2", "train.batch_size=2"))
+    # resumed with a loader worker per rank: the stream starts at the resumed micro-step
+    resumed = _finish(_start(recipe, two, "--nproc", "2", "train.batch_size=2", "train.num_workers=1"))
     assert '"resumed_from": "' in resumed and resumed.rstrip().endswith("}")
     assert json.loads(resumed[resumed.rindex("{\n") :])["resumed_from"].endswith("step_2")
     _finish(reference)

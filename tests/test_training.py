@@ -255,3 +255,180 @@ def test_step_indices_from_the_collate_give_the_reference_embeds_and_loss(tmp_pa
             out = trainer.llm(inputs_embeds=embeds[i : i + 1, :n], labels=batch.labels[i : i + 1, :n])
             per_sample.append(out.loss)
         torch.testing.assert_close(loss, torch.stack(per_sample).mean())
+
+
+# ----------------------------------------------------------------------------- loader workers
+
+
+def _batch_fields(batch) -> list:
+    """Everything a TrainBatch carries, comparable with ==/torch.equal (tensors as tensors)."""
+    return [
+        *(getattr(batch, n) for n in batch.TENSOR_FIELDS),
+        *batch.tensors(),
+        [
+            (p.ids, p.is_token, [(s.modality, s.item_index, s.start, s.length) for s in p.spans])
+            for p in batch.prompts
+        ],
+        batch.first_item,
+        batch.num_items,
+        batch.item_keys,
+        batch.new_keys,
+    ]
+
+
+def _same_batches(a, b) -> None:
+    fa, fb = _batch_fields(a), _batch_fields(b)
+    assert len(fa) == len(fb)
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+        else:
+            assert x == y
+
+
+def test_loader_workers_give_the_same_batches_and_losses(tmp_path):
+    """train.num_workers=2 (forked DataLoader workers, batches built ahead) gives exactly the
+    micro-batches and losses of num_workers=0 (built in the process): 12 micro-batches of 8 from
+    36 items, so epoch boundaries fall inside micro-batches, with grad accumulation."""
+    from bridge.training.loader import BatchStream, MicroBatchBuilder
+
+    common = ["train.batch_size=8", "train.grad_accum_steps=2", "train.max_steps=6", "data.num_train=36"]
+    inline = Trainer(recipe(*common, "train.num_workers=0"), tmp_path / "w0")
+    workers = Trainer(recipe(*common, "train.num_workers=2"), tmp_path / "w2")
+    assert (inline.num_workers, workers.num_workers) == (0, 2)
+
+    def stream(t, n):
+        b = MicroBatchBuilder(t.train_set, t.tokenizer, t.encoders, t.sampler, start=0)
+        return BatchStream(b, 0, 12, t.device, num_workers=n)
+
+    s0, s2 = stream(inline, 0), stream(workers, 2)
+    assert s2.num_workers == 2  # really in workers, no fallback
+    try:
+        for _ in range(12):
+            _same_batches(s0.next(), s2.next())
+            s0.prefetch()
+            s2.prefetch()
+    finally:
+        s2.close()
+    for _ in range(6):
+        assert inline.train_step() == workers.train_step()
+    assert workers._batches.num_workers == 2 and workers._batches.rebuilt == 0
+    assert workers.timing.steps == 6 and 0 <= workers.timing.data_wait_s <= workers.timing.step_s
+    for p, q in zip(inline.model.encoders.parameters(), workers.model.encoders.parameters()):
+        assert torch.equal(p, q)
+    workers.close_data()
+
+
+def test_tower_output_cache_with_loader_workers(tmp_path):
+    """Workers cannot see the training process's tower cache; they replay the data order to know
+    which items it holds, so repeat epochs still skip preprocessing and the tower, and the losses
+    are those of the uncached in-process run. A new stream (after close_data, or when the step
+    counter moves, as on resume) starts from the cache as it is."""
+    steps = ["data.num_train=8", "train.max_steps=7"]  # batch 4: 3.5 epochs of the 8 items
+    plain = Trainer(recipe(*steps), tmp_path / "plain")
+    cached = Trainer(
+        recipe(*steps, "train.cache_tower_outputs=true", "train.num_workers=2"), tmp_path / "cached"
+    )
+    calls = []
+    cached.encoders["graph"].tower.register_forward_hook(lambda mod, inp, out: calls.append(1))
+    for _ in range(4):
+        assert plain.train_step() == pytest.approx(cached.train_step(), abs=1e-6)
+    stream = cached._batches
+    assert stream.num_workers == 2 and stream.rebuilt == 0
+    assert len(calls) == 2  # epoch 1 only
+    assert len(cached.model.tower_cache) == 8
+    cached.close_data()
+    for _ in range(2):
+        assert plain.train_step() == pytest.approx(cached.train_step(), abs=1e-6)
+    fresh = cached._batches
+    assert fresh is not stream and fresh.num_workers == 2 and fresh.rebuilt == 0 and len(calls) == 2
+    # a cache emptied behind the stream's back: the next batch, built by a worker that believes
+    # its items cached, is rebuilt in the process at the point of use (the tower runs again)
+    cached.model.tower_cache.clear()
+    assert plain.train_step() == pytest.approx(cached.train_step(), abs=1e-6)
+    assert fresh.rebuilt == 1 and len(calls) == 3
+    cached.close_data()
+
+
+def test_loader_falls_back_in_process_when_a_batch_cannot_leave_a_worker(tmp_path):
+    """A collate that returns something unpicklable cannot come back from a worker: one line says
+    so and the batches are built in the training process, the same batches."""
+    from bridge.training.loader import BatchStream, MicroBatchBuilder
+
+    t = Trainer(recipe(), tmp_path / "run")
+    enc = t.encoders["graph"]
+    collate = enc.collate
+    enc.collate = lambda items: {**collate(items), "hook": lambda: None}  # a lambda: unpicklable
+    said = []
+    b = MicroBatchBuilder(t.train_set, t.tokenizer, t.encoders, t.sampler, start=0)
+    s = BatchStream(b, 0, 3, t.device, num_workers=2, say=said.append)
+    assert s.num_workers == 0 and len(said) == 1
+    assert "cannot be sent from a worker process" in said[0] and "training process" in said[0]
+    for m in range(3):
+        got = s.next()
+        _same_batches(got, t._micro_batch(m))
+        s.prefetch()
+
+
+class _BadItem:
+    """A training set whose item `bad` cannot be read (as a corrupt JSONL image)."""
+
+    def __init__(self, inner, bad: int):
+        self.inner, self.bad = inner, bad
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        if i == self.bad:
+            raise ValueError(f"train.jsonl:{i + 1}: image file x.png: cannot decode the image")
+        return self.inner[i]
+
+
+def test_a_data_error_in_a_worker_is_raised_as_in_process(tmp_path):
+    """A bad item met by a worker stops the workers and is raised with the in-process error's own
+    type and message (not the worker's wrapped traceback); the batches before it came from the
+    workers, in order."""
+    from bridge.training.loader import BatchStream, MicroBatchBuilder
+
+    t = Trainer(recipe("train.batch_size=4"), tmp_path / "run")
+    bad = t.sampler.micro_batch(3)[1]  # an item of micro-batch 3
+    data = _BadItem(t.train_set, bad)
+    said = []
+    b = MicroBatchBuilder(data, t.tokenizer, t.encoders, t.sampler, start=0)
+    s = BatchStream(b, 0, 8, t.device, num_workers=2, say=said.append)
+    assert s.num_workers == 2
+    for m in range(3):
+        _same_batches(s.next(), t._micro_batch(m))
+    with pytest.raises(ValueError) as info:
+        s.next()
+    assert str(info.value) == f"train.jsonl:{bad + 1}: image file x.png: cannot decode the image"
+    assert s.num_workers == 0 and len(said) == 1 and "worker failed on micro-batch 3" in said[0]
+    s.close()
+
+
+@pytest.mark.gpu
+def test_loader_workers_and_side_stream_copies_on_cuda(tmp_path):
+    """On CUDA: pinned batches from forked workers, copied on a side stream, give the losses of
+    in-process batches (with grad accumulation, and with the tower cache on repeat epochs), and
+    the step records its data wait."""
+    common = ["train.device=cuda", "train.max_steps=6", "train.grad_accum_steps=2", "data.num_train=16"]
+    for extra in ([], ["train.cache_tower_outputs=true"]):
+        name = "cached" if extra else "plain"
+        inline = Trainer(recipe(*common, *extra, "train.num_workers=0"), tmp_path / f"{name}0")
+        workers = Trainer(recipe(*common, *extra, "train.num_workers=2"), tmp_path / f"{name}2")
+        for _ in range(6):
+            assert inline.train_step() == pytest.approx(workers.train_step(), abs=1e-6)
+        stream = workers._batches
+        assert stream.num_workers == 2 and stream.rebuilt == 0
+        assert workers.timing.steps == 6 and 0 <= workers.timing.data_wait_s <= workers.timing.step_s
+        workers.close_data()
+        inline.close_data()
+
+
+def test_num_workers_default():
+    from bridge.training.loader import default_num_workers
+
+    assert default_num_workers(torch.device("cpu")) == 0
+    assert 0 <= default_num_workers(torch.device("cuda")) <= 4
+    assert recipe().train.num_workers is None and recipe().train.prefetch_factor == 2

@@ -14,7 +14,7 @@ index tensors that arrived with the batch.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,25 @@ class TrainBatch:
         "target_weight",
     )
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor of the batch, encoder inputs included."""
+        for name in self.TENSOR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                yield value
+        for batch in self.encoder_inputs.values():
+            yield from _collated_tensors(batch)
+
+    def pin_memory(self) -> TrainBatch:
+        """Page-locked copies of every CPU tensor (what DataLoader(pin_memory=True) calls on a
+        batch a worker sent), so the copy to the GPU can be asynchronous."""
+        for name in self.TENSOR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, _pin_collated(value))
+        self.encoder_inputs = {m: _pin_collated(batch) for m, batch in self.encoder_inputs.items()}
+        return self
+
     def to(self, device: torch.device) -> TrainBatch:
         """Move every tensor (encoder inputs included) to `device`: on a GPU from pinned memory
         with `non_blocking`, so the copies queue behind the step instead of stalling the host."""
@@ -86,6 +105,22 @@ def _move_collated(batch: Any, device: torch.device) -> Any:
         return _to_device(batch, device)
     if isinstance(batch, dict):
         return {k: _move_collated(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _collated_tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for value in batch.values():
+            yield from _collated_tensors(value)
+
+
+def _pin_collated(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory() if batch.device.type == "cpu" else batch
+    if isinstance(batch, dict):
+        return {k: _pin_collated(v) for k, v in batch.items()}
     return batch
 
 

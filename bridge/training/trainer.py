@@ -69,6 +69,7 @@ from bridge.training.fsdp import (
     shard_model,
     wrap_for_training,
 )
+from bridge.training.loader import BatchStream, MicroBatchBuilder, StepTiming, resolve_num_workers
 from bridge.training.model import BridgeModel
 from bridge.training.plots import plot_loss, read_metrics
 from bridge.training.sampler import ResumableSampler
@@ -189,6 +190,12 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
         )
+        #: loader worker processes (train.num_workers; null: see loader.default_num_workers)
+        self.num_workers = resolve_num_workers(tr.num_workers, self.device)
+        self._batches: BatchStream | None = None
+        #: step wall time and the part spent waiting for data, summed since the trainer was built
+        #: (callers may reset it); see loader.py for what counts as waiting
+        self.timing = StepTiming()
         self.step = 0
         self.resumed_from: Path | None = None
         #: "key: old -> new" lines against the resumed checkpoint's recipe (see check_resume)
@@ -222,6 +229,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _micro_batch(self, micro_step: int):
+        """Micro-batch `micro_step` built here and now, on the device (what the batch stream
+        yields for it, built without the loader)."""
         indices = self.sampler.micro_batch(micro_step)
         examples = [self.train_set[i] for i in indices]
         cache = self.model.tower_cache
@@ -229,27 +238,70 @@ class Trainer:
             self.device
         )
 
+    def _batch_stream(self, micro_step: int) -> BatchStream:
+        """The stream whose next micro-batch is `micro_step`: the running one, or a new one (first
+        step, after a resume, or when the step counter was moved)."""
+        stream = self._batches
+        if stream is not None and stream.next_micro == micro_step and micro_step < stream.end:
+            return stream
+        self.close_data()
+        tr = self.recipe.train
+        cache = self.model.tower_cache
+        builder = MicroBatchBuilder(
+            self.train_set,
+            self.tokenizer,
+            self.encoders,
+            self.sampler,
+            start=micro_step,
+            cache_keys=frozenset(cache) if cache is not None else None,
+        )
+        self._batches = BatchStream(
+            builder,
+            micro_step,
+            max(tr.max_steps * tr.grad_accum_steps, micro_step + tr.grad_accum_steps),
+            self.device,
+            num_workers=self.num_workers,
+            prefetch_factor=tr.prefetch_factor,
+            seed=self.recipe.seed,
+            cache=cache,
+            say=_say if self.dist.is_main else None,
+        )
+        return self._batches
+
+    def close_data(self) -> None:
+        """Stop the loader workers (the next train_step starts new ones)."""
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
+
     def train_step(self) -> float:
         """One optimizer step (grad accumulation inside); returns the step's loss averaged over
         its micro-batches and ranks.
 
         One host sync per step (reading the loss once, after the last backward and before the
         optimizer step, so a non-finite loss stops the run before it reaches the weights); the
-        micro-batch losses are summed on the device."""
+        micro-batch losses are summed on the device. The micro-batches come from the batch stream
+        (loader.py): once a micro-step's kernels are queued, the next micro-batch is fetched from
+        the loader workers and copied to the device on a side stream while the GPU works."""
+        t0 = time.perf_counter()
         tr = self.recipe.train
         accum = tr.grad_accum_steps
         if not self.model.training:
             self.set_train_mode()
+        stream = self._batch_stream(self.step * accum)
         total = None
         for k in range(accum):
-            batch = self._micro_batch(self.step * accum + k)
+            batch = stream.next()
             sync = k == accum - 1 or not self.dist.enabled
             with gradient_sync(self.train_module, sync):
                 with self._autocast():
                     loss = self.train_module(batch)
                 (loss / accum).backward()
+            del batch
             total = loss.detach() if total is None else total + loss.detach()
+            stream.prefetch()
         value = float(total) / accum
+        stream.settle()
         if not math.isfinite(value):
             raise FloatingPointError(
                 f"loss is {value} at step {self.step}; lower train.lr or use precision fp32"
@@ -262,7 +314,11 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return mean_across_ranks(value, self.dist, self.device)
+        value = mean_across_ranks(value, self.dist, self.device)
+        self.timing.steps += 1
+        self.timing.step_s += time.perf_counter() - t0
+        self.timing.data_wait_s += stream.take_wait()
+        return value
 
     @torch.no_grad()
     def held_out_loss(self) -> float | None:
@@ -345,6 +401,7 @@ class Trainer:
         eval_every = self.recipe.eval.every
         steps_done = 0
         last_loss = math.nan
+        logged = (self.timing.step_s, self.timing.data_wait_s)
         try:
             while self.step < tr.max_steps:
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -352,11 +409,16 @@ class Trainer:
                 steps_done += 1
                 if self.dist.is_main and (self.step % tr.log_every == 0 or self.step == tr.max_steps):
                     elapsed = time.perf_counter() - t0
+                    step_s = self.timing.step_s - logged[0]
+                    wait_s = self.timing.data_wait_s - logged[1]
+                    logged = (self.timing.step_s, self.timing.data_wait_s)
                     row = {
                         "step": self.step,
                         "loss": round(last_loss, 6),
                         "lr": lr,
                         "samples_per_s": round(steps_done * global_batch / max(elapsed, 1e-9), 2),
+                        # share of the step time (since the last row) spent waiting for data
+                        "data_wait_pct": round(100 * wait_s / max(step_s, 1e-9), 2),
                     }
                     self._write_metrics(metrics_path, row)
                 if eval_every and self.step % eval_every == 0:
@@ -373,11 +435,14 @@ class Trainer:
             if bar is not None:
                 bar.close()
                 bar = None
+            self.close_data()
             final = self.save_checkpoint()
         except KeyboardInterrupt:
             if bar is not None:
                 bar.close()
             raise TrainingInterrupted(self.step, ckpt_io.latest_checkpoint(self.output_dir)) from None
+        finally:
+            self.close_data()
         summary: dict[str, Any] = {
             "steps": self.step,
             "final_loss": last_loss if math.isfinite(last_loss) else None,
