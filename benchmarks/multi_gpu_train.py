@@ -83,7 +83,8 @@ def train(recipe_path: pathlib.Path, out: pathlib.Path, batch: int, nproc: int, 
            f"train.batch_size={batch}"]
     if nproc > 1:
         cmd[4:4] = ["--nproc", str(nproc)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0

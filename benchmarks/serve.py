@@ -83,7 +83,8 @@ def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, log_
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if args.cpu:
         cmd += ["--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     if args.cpu:
         env["OMP_NUM_THREADS"] = "1"
     out = open(log_path, "wb")
