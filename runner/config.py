@@ -49,7 +49,7 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any = None) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _env_switch(name: str) -> bool:
+def env_switch(name: str) -> bool:
     """A kernel switch from the environment: on unless set to '0' (A/B runs)."""
     return os.environ.get(name, "1") != "0"
 
@@ -139,11 +139,11 @@ class EngineConfig:
                 or not 1 <= c.decode_window <= MAX_DECODE_WINDOW:
             raise ValueError(f"decode_window must be in [1, {MAX_DECODE_WINDOW}], got {c.decode_window!r}")
         if c.fused_ops is None:
-            c.fused_ops = gpu and _env_switch("BRIDGE_FUSED_OPS")
+            c.fused_ops = gpu and env_switch("BRIDGE_FUSED_OPS")
         if c.fused_linear is None:
-            c.fused_linear = c.fused_ops and _env_switch("BRIDGE_FUSED_LINEAR")
+            c.fused_linear = c.fused_ops and env_switch("BRIDGE_FUSED_LINEAR")
         if c.fused_layers is None:
-            c.fused_layers = c.fused_linear and _env_switch("BRIDGE_FUSED_LAYERS")
+            c.fused_layers = c.fused_linear and env_switch("BRIDGE_FUSED_LAYERS")
         if c.warmup is None:
             c.warmup = gpu
         return c

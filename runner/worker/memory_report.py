@@ -58,7 +58,6 @@ def memory_report(runner: ModelRunner) -> dict:
         report.update(
             allocated_bytes=allocated, reserved_bytes=reserved,
             device_total_bytes=torch.cuda.get_device_properties(runner.device).total_memory,
-            other_allocated_bytes=allocated - weights - kv - staging - graph_buffers,
         )
     return report
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from runner.config import MAX_DECODE_WINDOW, EngineConfig
+from runner.config import MAX_DECODE_WINDOW, EngineConfig, env_switch
 from runner.engine.request import Request
 from runner.engine.step_io import SchedulerOutput, StepResult
 from runner.layers.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
@@ -91,8 +91,9 @@ class ModelRunner:
         self.set_max_model_len(config.max_model_len)
         self.embeds_builder = InputsEmbedsBuilder(config.max_num_batched_tokens, self.hidden_size, dtype,
                                                   device)
-        # Host tensors (prompt embeds, passthrough items) reach the device through one uploader.
-        self.uploader = HostUploader(device)
+        # Host tensors (prompt embeds, passthrough items) reach the device through one uploader
+        # (BRIDGE_HOST_UPLOAD=0: plain copies and the NaN check on the host, for A/B runs).
+        self.uploader = HostUploader(device) if env_switch("BRIDGE_HOST_UPLOAD") else None
         self.prompt_embeds_state = (PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device,
                                                       uploader=self.uploader)
                                     if config.enable_prompt_embeds else None)
