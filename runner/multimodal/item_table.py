@@ -82,7 +82,7 @@ class ItemTable:
         self._dirty: set[int] = set()
         self._num_live = 0  # slots holding at least one span
         self.num_launches = 0
-        self.num_uploads = 0  # table uploads (steps that registered or released something)
+        self.num_table_writes = 0  # table uploads (launches after something was registered or released)
         self._resize(max_num_reqs, 1)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -162,7 +162,7 @@ class ItemTable:
         for slot in range(self.num_slots):
             self.release(slot)
 
-    def _upload(self) -> None:
+    def _flush(self) -> None:
         """Write the dirty slot rows into the device table: one copy and one `index_copy_`."""
         if not self._dirty:
             return
@@ -176,7 +176,7 @@ class ItemTable:
         # Pinned memory from torch's caching host allocator: not reused before the copy has run.
         dev = staged.to(self.device, non_blocking=on_gpu)
         self._table.index_copy_(0, dev[:, 0], dev[:, 1:])
-        self.num_uploads += 1
+        self.num_table_writes += 1
 
     # ------------------------------------------------------------------ the gather
 
@@ -199,7 +199,7 @@ class ItemTable:
             return
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the item gather is never captured in a CUDA graph (apply it before replay)")
-        self._upload()
+        self._flush()
         log_spans = (self._capacity - 1).bit_length()  # binary-search steps over capacity spans
         self._launch(inputs_embeds, idx_mapping, query_start_loc, num_computed_tokens, self._table,
                      log_spans, self.kernel_config)
