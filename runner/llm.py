@@ -139,7 +139,7 @@ class LLM:
         self.mm = MultimodalState(
             encoders, hidden_size=text_config(hf_config).hidden_size, dtype=config.dtype, device=self.device,
             budget_tokens=budget, uses_mrope=self.model_state_cls.uses_mrope,
-            supports_realtime=self.model_state_cls.supports_realtime,
+            supports_realtime=self.model_state_cls.supports_realtime, max_num_seqs=config.max_num_seqs,
         )
         self.core = EngineCore(config, hf_config, mm=self.mm, eos_token_ids=tuple(self.eos_token_ids),
                                async_scheduling=verdict)
@@ -386,6 +386,7 @@ class LLM:
             if self.core is None:
                 return
             self.core.shutdown()
+            self.mm.items.reset()
             self.mm.cache.evict_unreferenced()
             self._live_requests.clear()
             self.core = None

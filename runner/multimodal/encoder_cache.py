@@ -16,9 +16,11 @@ Vocabulary (the same as vLLM's, on purpose):
 - `"prompt_embeds"` is the passthrough modality: the item is the tensor itself; it is moved to
   the cache's device and dtype once and no encoder runs.
 
-A step's gather maps each request's scheduled window `[nc, nc + num_scheduled)` onto the
-features it overlaps (found by bisect over features sorted by offset) and the window's slice of
-each placeholder onto encoder-output rows through the cumulative sum of `is_embed`.
+The engine gathers item rows on the device (`runner.multimodal.item_table.ItemTable`, fed from
+`get`). `gather` below is the host formulation of the same contract, kept as its reference: it
+maps each request's scheduled window `[nc, nc + num_scheduled)` onto the features it overlaps
+(found by bisect over features sorted by offset) and the window's slice of each placeholder onto
+encoder-output rows through the cumulative sum of `is_embed`.
 """
 
 from __future__ import annotations

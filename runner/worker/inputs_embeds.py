@@ -4,7 +4,9 @@ A step's rows come from three sources, told apart by two masks over the step's t
 
 - token-id positions (`is_token_ids_mask` True and not `is_mm_embed`): the embedding lookup;
 - media positions (`is_mm_embed` True): encoder rows from `EncoderCache.gather`, scattered in
-  step-token order;
+  step-token order. The engine no longer passes these: it builds the token rows only and lets
+  `ItemTable.apply` (runner.multimodal.item_table) write item rows over them on the device; this
+  host scatter stays as the reference the device gather is tested against, bit for bit;
 - user prompt-embeds positions (neither): rows the prompt-embeds overlay
   (`PromptEmbedsState.apply`) writes. Assembly leaves these rows of the output untouched
   (`torch.where` on the token mask, `masked_scatter` on the media mask; never an

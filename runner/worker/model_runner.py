@@ -334,15 +334,10 @@ class ModelRunner:
         v, t, r, bucket, sample_rows = sd.views, sd.t, sd.r, sd.bucket, sd.sample_rows
         self._feed_pending_tokens(so, sd, prev)
         positions = v.positions
-        mm = self.mm.gather_step(so.requests, so.num_scheduled_tokens) if self.mm is not None else None
-        if mm is None:
-            embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids)
-        else:  # media rows scattered where is_mm_embed (padding rows of a graph bucket never are)
-            embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids[:t], None, mm.mm_embeds,
-                                               mm.is_mm_embed)
-            if v.input_ids.shape[0] > t:
-                self.embeds_builder.build(self.embed_tokens, v.input_ids[t:], out=self.embeds_builder.buffer[
-                    t : v.input_ids.shape[0]])
+        items = self.mm.gather_step(so.requests, so.num_scheduled_tokens) if self.mm is not None else None
+        embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids)
+        if items is not None:  # item rows (media, passthrough) over the token rows, gathered on the device
+            items.apply(embeds[:t], v.idx_mapping[:r], v.query_start_loc[: r + 1], v.num_computed_by_slot)
         if self.mm is not None and self.mm.uses_mrope:
             if sd.decode_only:  # decode position = index + delta in all three rows
                 deltas = self.mm.decode_deltas(so.requests)
