@@ -29,7 +29,10 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, path: Path, log: Path, *flags: str, api_key: str | None = None) -> None:
+    def __init__(self, path: Path, log: Path, *flags: str, api_key: str | None = None,
+                 wait: bool = True) -> None:
+        """`wait=False` returns as soon as the process is started (call `wait_ready` before use),
+        so that several servers can boot at once."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -42,7 +45,8 @@ class ServerProcess:
                "TOKENIZERS_PARALLELISM": "false"}
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        self._wait_ready(timeout=120)
+        if wait:
+            self.wait_ready()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -51,7 +55,7 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
