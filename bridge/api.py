@@ -87,8 +87,15 @@ def _as_example(prompt: Any) -> Example:
     for mod in _MEDIA_KEYS:
         if prompt.get(mod) is not None:
             value = prompt[mod]
-            media[mod] = list(value) if isinstance(value, (list, tuple)) else [value]
+            several = isinstance(value, (list, tuple)) and not _is_one_item(value)
+            media[mod] = list(value) if several else [value]
     return Example(prompt[given[0]], "", media)
+
+
+def _is_one_item(value: tuple | list) -> bool:
+    """`(waveform, sample_rate)` is one audio item (the encoders' own form), not a list of two."""
+    return (isinstance(value, tuple) and len(value) == 2 and hasattr(value[0], "shape")
+            and isinstance(value[1], int) and not isinstance(value[1], bool))
 
 
 class Bridge:

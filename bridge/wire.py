@@ -96,13 +96,17 @@ def load_prompt_embeds(
     max_bytes: int = DEFAULT_MAX_PROMPT_EMBEDS_BYTES,
     max_rows: int | None = None,
     dtype: torch.dtype | None = None,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """Decode and validate wire prompt embeds into a dense `(n, hidden_size)` CPU tensor.
 
     `max_bytes` caps the tensor's declared dense size (its payload may exceed it only by
     torch.save's framing); `max_rows` is the model's context length; `dtype` casts the result
     (default: keep the sent floating dtype). A 3-D tensor with batch 1 is squeezed; any other
-    rank is refused. Raises ValueError on anything else.
+    rank is refused. Raises ValueError on anything else. `check_finite=False` leaves the NaN/Inf
+    check to the caller: the engine checks every prompt's rows itself (on the GPU when it runs
+    there), and on the CPU the check cost more than the rest of the decode (22 ms of 50 for a
+    512 x 1024 bf16 tensor on a small CPU).
     """
     if dtype is not None and dtype not in _ACCEPTED_DTYPES:
         raise ValueError(f"dtype must be one of {_ACCEPTED_DTYPES}, got {dtype}")
@@ -153,7 +157,7 @@ def load_prompt_embeds(
         tensor = tensor[0]
     if dtype is not None:
         tensor = tensor.to(dtype)
-    if not bool(torch.isfinite(tensor).all()):
+    if check_finite and not bool(torch.isfinite(tensor).all()):
         raise ValueError(
             "prompt_embeds holds NaN or Inf values" + (f" (after casting to {dtype})" if dtype else "")
         )

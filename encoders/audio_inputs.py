@@ -1,7 +1,8 @@
 """Raw audio items -> mono float waveforms at a target sample rate, WAV I/O, content-hash bytes.
 
 Accepted items:
-  * a path (str / Path) to a PCM WAV file (8/16/32-bit integer or 32-bit float);
+  * a path (str / Path) to a PCM WAV file with 8/16/32-bit integer samples (the standard library's
+    `wave` module reads no floating-point WAV);
   * ``(waveform, sample_rate)`` or ``{"waveform"|"array": ..., "sample_rate"|"sampling_rate": int}``;
   * a bare 1-D (samples,) or 2-D (channels, samples) tensor / numpy array, taken to be at the
     tower's sample rate already.

@@ -47,6 +47,7 @@ class HostUploader:
         self.cuda = self.device.type == "cuda"
         self.ring_bytes = max(_ALIGN * 16, int(ring_bytes))
         self._ring: torch.Tensor | None = None
+        self._ring_np = None  # numpy view of the ring (host copies)
         self._head = 0
         self._pending: deque = deque()  # (start, end, event) of copies that may still read the ring
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -119,13 +120,18 @@ class HostUploader:
         """Copy `src` (host, contiguous) into `dst` (device, same shape and dtype) through the ring,
         on the current (the uploader's) stream."""
         src_bytes = src.reshape(-1).view(torch.uint8)
+        src_np = src_bytes.numpy()
         dst_bytes = dst.reshape(-1).view(torch.uint8)
         chunk = self.ring_bytes // 4
         for start in range(0, src_bytes.numel(), chunk):
             n = min(chunk, src_bytes.numel() - start)
             lo = self._reserve(n)
             staging = self._ring[lo : lo + n]
-            staging.copy_(src_bytes[start : start + n])
+            # One plain memcpy on this thread (numpy), not torch's OpenMP-parallel copy: a 1 MiB
+            # copy gains nothing from threads, and an OpenMP barrier waits for every thread, which
+            # costs milliseconds when other processes keep the cores busy (the suspected cause of
+            # slow host copies in runs that shared the host with a second benchmark).
+            self._ring_np[lo : lo + n] = src_np[start : start + n]
             dst_bytes[start : start + n].copy_(staging, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -136,6 +142,7 @@ class HostUploader:
         """The start of a free ring region of `n` bytes, waiting for the copies still reading it."""
         if self._ring is None:
             self._ring = torch.empty(self.ring_bytes, dtype=torch.uint8, pin_memory=True)
+            self._ring_np = self._ring.numpy()
         lo = -(-self._head // _ALIGN) * _ALIGN
         if lo + n > self.ring_bytes:
             lo = 0

@@ -23,8 +23,11 @@ def _nbytes(t: torch.Tensor | None) -> int:
 def memory_report(runner: ModelRunner) -> dict:
     """Bytes by owner (device memory unless the key says host), plus the KV pool in blocks."""
     model = runner.model
-    weights = 0 if model is None else (sum(_nbytes(p) for p in model.parameters())
-                                       + sum(_nbytes(b) for b in model.buffers()))
+    # By storage: the fused q/k/v and gate/up weights are views of one merged tensor each.
+    storages = {} if model is None else {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (*model.parameters(), *model.buffers())}
+    weights = sum(storages.values())
     kv = sum(_nbytes(k) + _nbytes(v) for k, v in runner.kv_caches)
     staging = 0
     if runner.staging is not None and runner.staging.dev64 is not runner.staging.host64:
