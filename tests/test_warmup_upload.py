@@ -49,6 +49,18 @@ def test_warm_up_leaves_no_trace_and_changes_no_output(model_dir, one_cpu_thread
     warm.shutdown()
 
 
+def test_warm_up_leaves_nothing_in_the_prefix_cache(model_dir, one_cpu_thread):
+    llm = LLM(model_dir, num_kv_blocks=64, enable_prefix_caching=True, warmup=True)
+    block_manager = llm.core.scheduler.block_manager
+    assert block_manager.num_cached_blocks == 0 and block_manager.num_queried_blocks == 0
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    assert block_manager.num_cached_blocks > 0  # the cache itself still works
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens > 0
+    llm.shutdown()
+
+
 def test_warm_up_is_off_on_the_cpu_by_default(model_dir, one_cpu_thread):
     llm = LLM(model_dir, num_kv_blocks=32)
     assert llm.engine_config.warmup is False and llm.warmup_seconds == 0.0

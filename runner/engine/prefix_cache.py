@@ -95,6 +95,14 @@ class PrefixCachingBlockManager(BlockManager):
     def num_cached_blocks(self) -> int:
         return len(self._hash_of_block)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every key of a free block (a block in use keeps its key): the engine's warm-up
+        requests must not stay findable as cached prefixes."""
+        for block in self._free_lru:
+            key = self._hash_of_block.pop(block, None)
+            if key is not None:
+                del self._block_of_hash[key]
+
     def _take_free_block(self) -> int:
         """The least recently freed block; its key (if any) is dropped: it is about to be rewritten."""
         block, _ = self._free_lru.popitem(last=False)

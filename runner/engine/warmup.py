@@ -9,8 +9,9 @@ several requests in one prefill step, a step mixing prefills and decodes, the sa
 path. One generate of a 512-row prompt paid about 5 s for them.
 
 The warm-up requests cover those shapes and are then forgotten: every `num_*` counter of the
-engine's parts is put back, so the counters describe the caller's requests only. The KV blocks and
-slots go back to the pool when the requests finish, as for any request.
+engine's parts is put back, so the counters describe the caller's requests only, and their blocks
+leave the prefix cache. The KV blocks and slots go back to the pool when the requests finish, as
+for any request.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def warm_up(llm: LLM) -> float:
     llm.generate(prompts[1:], params[1:], use_tqdm=False)
     for owner, name, value in saved:
         setattr(owner, name, value)
+    block_manager = getattr(llm.core.scheduler, "block_manager", None)
+    if hasattr(block_manager, "reset_prefix_cache"):
+        block_manager.reset_prefix_cache()
     llm._request_counter = itertools.count()
     if llm.device.type == "cuda":
         torch.cuda.synchronize(llm.device)
