@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
 from runner.multimodal.encoder_protocol import tensor_content_hash
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def compile_for_sm90(script: str) -> str:
+    """Run `script` (which compiles Triton kernels for Hopper with `triton.compile`) in a fresh process
+    without TRITON_INTERPRET, and return its stdout: a kernel only the interpreter accepts is caught
+    without a GPU. Skips when Triton's bundled ptxas is missing."""
+    import triton
+
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("Triton's bundled ptxas is not available")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
 
 
 class IdentityEncoder:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import pytest
 import torch
-from helpers import IdentityEncoder
+from helpers import IdentityEncoder, compile_for_sm90
 
 from bridge.tiny_models import build_tiny_model
 from runner.llm import LLM
@@ -280,23 +281,9 @@ print("v4 loads", count("ld"), "v4 stores", count("st"))
 def test_kernel_compiles_for_sm90_with_128_bit_row_copies():
     """Without a GPU: the kernel compiles for Hopper and its row loads and stores are 16 bytes wide
     (the int64 addresses read from the table carry the 16-byte alignment hint)."""
-    import os
-    import pathlib
-    import re
-    import subprocess
-    import sys
-
-    import triton
-
-    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("Triton's bundled ptxas is not available")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], cwd=root, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    loads, stores = map(int, re.findall(r"v4 loads (\d+) v4 stores (\d+)", result.stdout)[0])
-    assert loads > 0 and stores > 0, result.stdout
+    stdout = compile_for_sm90(_COMPILE_FOR_SM90)
+    loads, stores = map(int, re.findall(r"v4 loads (\d+) v4 stores (\d+)", stdout)[0])
+    assert loads > 0 and stores > 0, stdout
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import importlib
 import pytest
 import torch
 import transformers
-from helpers import cpu_runner_with_fused_ops
+from helpers import compile_for_sm90, cpu_runner_with_fused_ops
 
 from bridge.tiny_families import build_family_model
 from runner.layers import moe_grouped
@@ -154,22 +154,8 @@ for fn, consts in ((mg._gate_up_kernel, dict(TOP_K=8, BLOCK_M=16, BLOCK_N=64, BL
 
 
 def test_grouped_kernels_compile_for_sm90_without_a_gpu():
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    import triton
-
-    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("Triton's bundled ptxas is not available")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], cwd=root, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count(" ok") == 2, result.stdout
+    stdout = compile_for_sm90(_COMPILE_FOR_SM90)
+    assert stdout.count(" ok") == 2, stdout
 
 
 @pytest.mark.gpu

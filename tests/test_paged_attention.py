@@ -9,11 +9,11 @@ NaN so rows a kernel forgot to write show up too.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import compile_for_sm90
 
 from runner.layers.attention_metadata import AttentionMetadata
 from runner.layers.paged_attention import paged_attention, paged_attention_torch, write_kv
@@ -453,20 +453,5 @@ build(pat._write_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_p
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
-    import pathlib
-    import subprocess
-    import sys
-
-    import triton
-
-    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("Triton's bundled ptxas is not available")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FOR_SM90],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count(" ok") == 5, result.stdout
+    stdout = compile_for_sm90(_COMPILE_FOR_SM90)
+    assert stdout.count(" ok") == 5, stdout

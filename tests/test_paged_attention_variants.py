@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import compile_for_sm90
 from test_paged_attention import make_batch
 
 from runner.layers.paged_attention import paged_attention, paged_attention_torch
@@ -169,22 +170,8 @@ for head_dim in (128,):
 
 def test_window_softcap_and_padded_head_dim_kernels_compile_for_sm90_without_a_gpu():
     """A kernel only the interpreter accepts is caught without a GPU (as in tests/test_paged_attention.py)."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    import triton
-
-    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("Triton's bundled ptxas is not available")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = pathlib.Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", _COMPILE_VARIANTS_FOR_SM90], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count(" ok") == 2, result.stdout
+    stdout = compile_for_sm90(_COMPILE_VARIANTS_FOR_SM90)
+    assert stdout.count(" ok") == 2, stdout
 
 
 def test_triton_half_precision_branch_with_window_and_softcap():

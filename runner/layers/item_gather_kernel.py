@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.layers.overlay_kernel import OverlayConfig, default_config
+from runner.layers.overlay_kernel import OverlayConfig, batch_block, default_config
 
 
 @triton.jit(do_not_specialize=["num_reqs", "max_num_reqs"])
@@ -45,23 +45,8 @@ def _item_gather_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-
-    # Largest batch row b in [0, num_reqs) with key(b) = query_start_loc[b] // BLOCK_T + b <= pid.
-    lo = 0
-    hi = num_reqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        key_mid = tl.load(query_start_loc_ptr + mid) // BLOCK_T + mid
-        go_right = key_mid <= pid
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid - 1)
-    b = lo
-
-    q_start = tl.load(query_start_loc_ptr + b)
-    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    block = pid - (q_start // BLOCK_T + b)
-    slot = tl.load(idx_mapping_ptr + b)
+    q_start, q_len, block, slot = batch_block(tl.program_id(0), query_start_loc_ptr, idx_mapping_ptr,
+                                              num_reqs, BLOCK_T)
     t0 = block * BLOCK_T
     if (block < 0) | (t0 >= q_len) | (slot < 0) | (slot >= max_num_reqs):
         return

@@ -31,6 +31,30 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def batch_block(pid, query_start_loc_ptr, idx_mapping_ptr, num_reqs, BLOCK_T: tl.constexpr):
+    """Which batch row and which of its BLOCK_T-token blocks program `pid` serves.
+
+    The grid gives batch row b `cdiv(q_len_b, BLOCK_T)` programs, numbered from
+    key(b) = query_start_loc[b] // BLOCK_T + b (module docstring), so b is the largest
+    row with key(b) <= pid, found by binary search. Returns (q_start, q_len, block, slot) of that
+    row; `block` may be past the row's tokens (a spare program), which the caller checks.
+    """
+    lo = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        key_mid = tl.load(query_start_loc_ptr + mid) // BLOCK_T + mid
+        go_right = key_mid <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    q_start = tl.load(query_start_loc_ptr + lo)
+    q_len = tl.load(query_start_loc_ptr + lo + 1) - q_start
+    block = pid - (q_start // BLOCK_T + lo)
+    slot = tl.load(idx_mapping_ptr + lo)
+    return q_start, q_len, block, slot
+
+
 @triton.jit(do_not_specialize=["num_reqs", "max_num_reqs"])
 def _overlay_kernel(
     out_ptr,
@@ -47,23 +71,8 @@ def _overlay_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-
-    # Largest batch row b in [0, num_reqs) with key(b) <= pid.
-    lo = 0
-    hi = num_reqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        key_mid = tl.load(query_start_loc_ptr + mid) // BLOCK_T + mid
-        go_right = key_mid <= pid
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid - 1)
-    b = lo
-
-    q_start = tl.load(query_start_loc_ptr + b)
-    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    block = pid - (q_start // BLOCK_T + b)
-    slot = tl.load(idx_mapping_ptr + b)
+    q_start, q_len, block, slot = batch_block(tl.program_id(0), query_start_loc_ptr, idx_mapping_ptr,
+                                              num_reqs, BLOCK_T)
     if (block < 0) | (slot < 0) | (slot >= max_num_reqs):
         return
     n = tl.load(num_rows_ptr + slot)
