@@ -524,6 +524,22 @@ def print_summary(args, results) -> None:
             print(f"{name}: {e['hf_note']}")
 
 
+def bench_setup(args) -> tuple[torch.device, pathlib.Path, torch.dtype]:
+    """Device (falling back to `--cpu` without CUDA), the model directory (built unless it exists)
+    and dtype of a W1-model benchmark; `args` needs `cpu` and `model_dir`."""
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.cpu:
+        log("no CUDA device: running the --cpu benchmark")
+        args.cpu = True
+    if args.cpu:
+        # Tiny ops are dominated by OpenMP contention on a shared box; one thread for both engines.
+        torch.set_num_threads(1)
+    model_dir = pathlib.Path(args.model_dir or pathlib.Path(tempfile.gettempdir()) / (
+        "bridge_bench_tiny" if args.cpu else "bridge_bench_qwen3_06b"))
+    build_model(model_dir, args.cpu)
+    return device, model_dir, torch.float32 if args.cpu else torch.bfloat16
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     global TEMPERATURE
@@ -533,19 +549,7 @@ def main(argv=None) -> int:
     if args.no_fused_layers:
         os.environ["BRIDGE_FUSED_LAYERS"] = "0"
 
-    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
-    if device.type == "cpu" and not args.cpu:
-        log("no CUDA device: running the --cpu benchmark")
-        args.cpu = True
-    if args.cpu:
-        # Tiny ops are dominated by OpenMP contention on a shared box; one thread for both engines.
-        torch.set_num_threads(1)
-    model_dir = pathlib.Path(args.model_dir or tempfile.gettempdir()) / (
-        "bridge_bench_tiny" if args.cpu else "bridge_bench_qwen3_06b")
-    if args.model_dir:
-        model_dir = pathlib.Path(args.model_dir)
-    build_model(model_dir, args.cpu)
-    dtype = torch.float32 if args.cpu else torch.bfloat16
+    device, model_dir, dtype = bench_setup(args)
 
     from transformers import AutoConfig
 

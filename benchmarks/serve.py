@@ -41,7 +41,7 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from generate import build_model, log, run_bridge, workload  # noqa: E402
+from generate import bench_setup, log, run_bridge, workload  # noqa: E402
 
 from bridge.wire import encode_prompt_embeds  # noqa: E402
 from runner.llm import LLM  # noqa: E402
@@ -169,17 +169,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--model-dir", default=None)
     args = ap.parse_args()
-    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
-    if device.type == "cpu" and not args.cpu:
-        log("no CUDA device: running the --cpu benchmark")
-        args.cpu = True
-    if args.cpu:
-        torch.set_num_threads(1)
+    device, model_dir, dtype = bench_setup(args)
     clients = [int(c) for c in (args.clients or ("4,16,32" if args.cpu else "16,64,256")).split(",")]
-    model_dir = pathlib.Path(args.model_dir or pathlib.Path(tempfile.gettempdir()) / (
-        "bridge_bench_tiny" if args.cpu else "bridge_bench_qwen3_06b"))
-    build_model(model_dir, args.cpu)
-    dtype = torch.float32 if args.cpu else torch.bfloat16
     dtype_name = "float32" if args.cpu else "bfloat16"
 
     from safetensors import safe_open

@@ -92,6 +92,11 @@ class HostUploader:
         out.record_stream(consumer)
         return out, ok
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory of the ring (0 until the first upload from the host)."""
+        return 0 if self._ring is None else self._ring.numel()
+
     def keep(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` (an upload) may stay on the device until its request runs: True while the
         kept uploads alive total at most `keep_bytes`. The bytes come back when `tensor` is freed."""

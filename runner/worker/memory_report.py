@@ -29,19 +29,13 @@ def memory_report(runner: ModelRunner) -> dict:
         for t in (*model.parameters(), *model.buffers())}
     weights = sum(storages.values())
     kv = sum(_nbytes(k) + _nbytes(v) for k, v in runner.kv_caches)
-    staging = 0
-    if runner.staging is not None and runner.staging.dev64 is not runner.staging.host64:
-        staging += _nbytes(runner.staging.dev64) + _nbytes(runner.staging.dev32)
+    staging = 0 if runner.staging is None else runner.staging.device_bytes
     if runner.embeds_builder is not None:
         staging += _nbytes(runner.embeds_builder.buffer)
     graphs = runner.decode_graphs
     graph_buffers = sum(_nbytes(t) for t in vars(graphs).values() if isinstance(t, torch.Tensor))
-    pinned_host = 0
-    if runner.staging is not None and runner.device.type == "cuda":
-        pinned_host += sum(_nbytes(a) + _nbytes(b) for a, b in runner.staging._hosts)
-    uploader = getattr(runner, "uploader", None)
-    if uploader is not None and uploader._ring is not None:
-        pinned_host += _nbytes(uploader._ring)
+    pinned_host = ((0 if runner.staging is None else runner.staging.pinned_bytes)
+                   + (0 if runner.uploader is None else runner.uploader.pinned_bytes))
     report = {
         "weights_bytes": weights,
         "kv_cache_bytes": kv,

@@ -65,6 +65,20 @@ class StagingBuffers:
             self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
             self.dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
 
+    @property
+    def device_bytes(self) -> int:
+        """Device memory of the two mirrored buffers (0 on the CPU, where host and device are one)."""
+        if self.dev64 is self.host64:
+            return 0
+        return self.dev64.numel() * 8 + self.dev32.numel() * 4
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory of the staging pairs (0 on the CPU: nothing is pinned there)."""
+        if self.device.type != "cuda":
+            return 0
+        return sum(h64.numel() * 8 + h32.numel() * 4 for h64, h32 in self._hosts)
+
     def next_host(self) -> None:
         """Switch to the other pinned host pair (GPU only), once its last upload has run."""
         if len(self._hosts) == 1:
