@@ -49,6 +49,12 @@ class ParsedPrompt:
     mm: ExpandedPrompt | None = None
 
 
+def _refuse_not_finite(bad: list[int], dtype: torch.dtype | None) -> None:
+    if bad:
+        raise ValueError(f"prompt {min(bad)}: prompt_embeds contains NaN or Inf (or values beyond the range "
+                         f"of the model dtype {dtype})")
+
+
 def check_embeds_finite(parsed: Sequence[ParsedPrompt], dtype: torch.dtype | None = None) -> None:
     """NaN/Inf in any prompt's embeds, or a value that the cast to the model `dtype` turns into
     Inf, is a ValueError naming the first such prompt.
@@ -64,9 +70,7 @@ def check_embeds_finite(parsed: Sequence[ParsedPrompt], dtype: torch.dtype | Non
     for items in by_device.values():
         finite = torch.stack([fits_dtype(e, dtype) for _, e in items]).tolist()
         bad += [i for (i, _), ok in zip(items, finite) if not ok]
-    if bad:
-        raise ValueError(f"prompt {min(bad)}: prompt_embeds contains NaN or Inf (or values beyond the range "
-                         f"of the model dtype {dtype})")
+    _refuse_not_finite(bad, dtype)
 
 
 def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader, *,
@@ -89,9 +93,7 @@ def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: H
         if keep and uploader.keep(rows):
             p.embeds = rows
     bad = [i for i, ok in zip(where, uploader.read_flags(flags)) if not ok]
-    if bad:
-        raise ValueError(f"prompt {min(bad)}: prompt_embeds contains NaN or Inf (or values beyond the range "
-                         f"of the model dtype {dtype})")
+    _refuse_not_finite(bad, dtype)
 
 
 class PromptProcessor:
