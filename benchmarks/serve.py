@@ -14,7 +14,10 @@ Reported per N: throughput (output tok/s, wall time from the first request sent 
 its fraction of offline throughput (target >= 0.9 at 64 clients), TTFT p50/p99 (send to first
 chunk), inter-token latency p50/p99 (per request: (last chunk - first chunk) / (tokens - 1); with
 decode windows a chunk carries many tokens), and where the rest goes: the server's prompt-embeds
-decode time (base64 + torch.load, from /metrics), the client's encode time and the payload bytes.
+decode time (base64 + torch.load, from /metrics; summed over the server's ingest worker processes,
+which parse large bodies off the engine's process), the client's encode time and the payload bytes.
+The request bodies are serialised before timing (N real clients do that in N processes).
+`--ingest-workers K` sets the server's pool (0: every body parsed in the engine's process, the A/B).
 
 `--cpu`: a tiny model (hidden 64), 32 requests of 16-96 rows and 32 tokens, clients 4,16,32.
 Writes JSON to `--out`, else `$OUT/serve_benchmark.json` when `$OUT` is set.
@@ -83,6 +86,8 @@ def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, log_
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if args.cpu:
         cmd += ["--device", "cpu"]
+    if args.ingest_workers is not None:
+        cmd += ["--ingest-workers", str(args.ingest_workers), "--ingest-inline-bytes", "0"]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     if args.cpu:
@@ -111,29 +116,36 @@ def server_metrics(url: str) -> dict[str, float]:
 
     out = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
+        if line and not line.startswith("#") and ("{" not in line or "request_bodies_parsed" in line):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
 
 
-async def run_clients(url: str, payloads: list[str], output_lens: list[int], clients: int) -> dict:
+def request_bodies(payloads: list[str], output_lens: list[int]) -> list[bytes]:
+    """The JSON bodies, serialised before the clock starts: N real clients encode theirs in N processes,
+    while this benchmark's clients share one; timing its json.dumps would measure the benchmark."""
+    return [json.dumps({"model": "bench", "prompt": "", "prompt_embeds": payload, "max_tokens": out_len,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}).encode()
+            for payload, out_len in zip(payloads, output_lens)]
+
+
+async def run_clients(url: str, bodies: list[bytes], clients: int) -> dict:
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
-    for item in enumerate(zip(payloads, output_lens)):
+    for item in enumerate(bodies):
         queue.put_nowait(item)
-    ttft, itl, tokens = [], [], [0] * len(payloads)
+    ttft, itl, tokens = [], [], [0] * len(bodies)
+    headers = {"content-type": "application/json"}
 
     async def worker(http: httpx.AsyncClient) -> None:
         while not queue.empty():
-            i, (payload, out_len) = queue.get_nowait()
-            body = {"model": "bench", "prompt": "", "prompt_embeds": payload, "max_tokens": out_len,
-                    "temperature": 0.0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            i, body = queue.get_nowait()
             sent = time.perf_counter()
             first = last = None
-            async with http.stream("POST", "/v1/completions", json=body) as resp:
+            async with http.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
                 resp.raise_for_status()
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -168,6 +180,8 @@ def main() -> int:
                     help="comma-separated client counts (GPU 16,64,256; CPU 4,16,32)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--ingest-workers", type=int, default=None,
+                    help="the server's --ingest-workers (default: its own; 0 parses every body in-process)")
     args = ap.parse_args()
     device, model_dir, dtype = bench_setup(args)
     clients = [int(c) for c in (args.clients or ("4,16,32" if args.cpu else "16,64,256")).split(",")]
@@ -192,6 +206,7 @@ def main() -> int:
     t0 = time.perf_counter()
     payloads = [encode_prompt_embeds(e) for e in embeds]
     encode_s = time.perf_counter() - t0
+    bodies = request_bodies(payloads, output_lens)
     settings = engine_settings(args, max(p + o for p, o in zip(prompt_lens, output_lens)))
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "model": "qwen3 tiny" if args.cpu else "Qwen3-0.6B-shaped (random bf16)",
@@ -215,14 +230,16 @@ def main() -> int:
     log_path = pathlib.Path(tempfile.gettempdir()) / "bridge_serve_bench.log"
     proc, url = start_server(model_dir, args, settings, dtype_name, log_path)
     try:
-        asyncio.run(run_clients(url, payloads[:4], output_lens[:4], 4))  # warm-up
+        asyncio.run(run_clients(url, bodies[:4], 4))  # warm-up
         for c in clients:
             n = max(c, 32 if args.cpu else 64)
             before = server_metrics(url)
-            res = asyncio.run(run_clients(url, payloads[:n], output_lens[:n], c))
+            res = asyncio.run(run_clients(url, bodies[:n], c))
             after = server_metrics(url)
             decode_s = (after["bridge:prompt_embeds_decode_seconds_sum"]
                         - before["bridge:prompt_embeds_decode_seconds_sum"])
+            pooled = 'bridge:request_bodies_parsed_total{where="pool"}'
+            res["bodies_parsed_in_pool"] = after.get(pooled, 0) - before.get(pooled, 0)
             res.update(requests=n, offline_tok_s=offline[n]["tok_s"],
                        fraction_of_offline=res["tok_s"] / offline[n]["tok_s"],
                        server_decode_seconds=decode_s,

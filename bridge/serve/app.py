@@ -21,6 +21,7 @@ from bridge.serve.engine_loop import EngineLoop
 from bridge.serve.errors import ApiError, bounded, install_error_handlers
 from bridge.serve.generation import Generation, TokenText
 from bridge.serve.guards import Guards
+from bridge.serve.ingest import BodyParser, EmbedsSpec, IngestRoute
 from bridge.serve.inputs import ServeLimits, completion_prompts, samples_params
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.protocol import (
@@ -52,11 +53,18 @@ class ServerState:
     max_body_bytes: int = 512 * 2**20
     max_pending: int = 1024
     drain_timeout_s: float = 30.0
+    ingest_workers: int = 0
+    ingest_inline_bytes: int = 256 * 2**10
     loop: EngineLoop | None = None
 
     def __post_init__(self) -> None:
         self.loop = EngineLoop(self.llm, max_pending=self.max_pending, metrics=self.metrics)
         self.token_text = TokenText(self.llm.tokenizer)
+        spec = EmbedsSpec(enabled=self.limits.enable_prompt_embeds, hidden_size=self.llm.hidden_size,
+                          max_bytes=self.limits.max_prompt_embeds_bytes, max_rows=self.llm.max_model_len,
+                          max_prompts=self.limits.max_prompts)
+        self.body_parser = BodyParser(spec, workers=self.ingest_workers,
+                                      inline_bytes=self.ingest_inline_bytes, metrics=self.metrics)
 
 
 def build_app(state: ServerState) -> Guards:
@@ -64,14 +72,18 @@ def build_app(state: ServerState) -> Guards:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        await state.body_parser.start()
         state.loop.start()
         try:
             yield
         finally:
             await state.loop.stop(state.drain_timeout_s)
+            state.body_parser.close()
             state.llm.shutdown()
 
     app = FastAPI(title="Bridge OpenAI-compatible server", version=_version(), lifespan=lifespan)
+    app.router.route_class = IngestRoute  # JSON bodies through state.body_parser (ingest.py)
+    app.state.body_parser = state.body_parser
     install_error_handlers(app)
 
     def check_model(name: str | None) -> None:
@@ -102,7 +114,8 @@ def build_app(state: ServerState) -> Guards:
         check_model(body.model)
         prompts = await completion_prompts(body, hidden_size=state.llm.hidden_size,
                                            max_model_len=state.llm.max_model_len, limits=state.limits,
-                                           metrics=state.metrics)
+                                           metrics=state.metrics,
+                                           decoded=getattr(raw.state, "prompt_embeds", None))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = samples_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=state.limits)
         gen = Generation(state.loop, state.metrics, base_id=f"cmpl-{uuid.uuid4().hex}",

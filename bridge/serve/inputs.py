@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bridge.serve.errors import ApiError
+from bridge.serve.ingest import DecodedEmbeds
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.protocol import ChatCompletionRequest, CompletionRequest
 from bridge.wire import load_prompt_embeds
@@ -97,9 +98,19 @@ async def decode_embeds(payload: str, *, where: str, hidden_size: int, max_model
     return tensor
 
 
+def predecoded_embeds(decoded: DecodedEmbeds, *, where: str, metrics: ServeMetrics) -> torch.Tensor:
+    """A payload the ingest pool already decoded with the same checks: its tensor or its 400."""
+    metrics.decode_seconds.observe(decoded.seconds)
+    if decoded.tensor is None:
+        raise ApiError(400, f"{where}: {decoded.error}", param=where)
+    return decoded.tensor
+
+
 async def completion_prompts(body: CompletionRequest, *, hidden_size: int, max_model_len: int,
-                             limits: ServeLimits, metrics: ServeMetrics) -> list[Any]:
-    """The engine prompts of a completions request: embeds prompts first, then text / token prompts."""
+                             limits: ServeLimits, metrics: ServeMetrics,
+                             decoded: list[DecodedEmbeds] | None = None) -> list[Any]:
+    """The engine prompts of a completions request: embeds prompts first, then text / token prompts.
+    `decoded`: the body's payloads as the ingest pool decoded them (ingest.py), in order."""
     if body.prompt is None and body.prompt_embeds is None:
         raise ApiError(400, "give 'prompt' or 'prompt_embeds'", param="prompt")
     prompts: list[Any] = []
@@ -113,8 +124,13 @@ async def completion_prompts(body: CompletionRequest, *, hidden_size: int, max_m
                            param="prompt_embeds")
         if not limits.enable_prompt_embeds:
             raise ApiError(400, EMBEDS_FLAG_MESSAGE, param="prompt_embeds")
+        if decoded is not None and len(decoded) != len(payloads):
+            decoded = None  # cannot happen (the pool decodes all or none); decode here if it does
         for i, payload in enumerate(payloads):
             where = "prompt_embeds" if isinstance(embeds, str) else f"prompt_embeds[{i}]"
+            if decoded is not None:
+                prompts.append({"prompt_embeds": predecoded_embeds(decoded[i], where=where, metrics=metrics)})
+                continue
             tensor = await decode_embeds(payload, where=where, hidden_size=hidden_size,
                                          max_model_len=max_model_len, limits=limits, metrics=metrics)
             prompts.append({"prompt_embeds": tensor})

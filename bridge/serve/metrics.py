@@ -53,6 +53,9 @@ class ServeMetrics:
         self.decode_seconds = Histogram("bridge:prompt_embeds_decode_seconds",
                                         "Time to decode one prompt_embeds payload (base64 + torch.load)",
                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.bodies_parsed = Counter("bridge:request_bodies_parsed",
+                                     "JSON request bodies by where they were parsed (pool: an ingest worker)",
+                                     ["where"], registry=r)
         self.running = Gauge("bridge:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("bridge:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_usage = Gauge("bridge:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)

@@ -21,6 +21,7 @@ from typing import Any
 
 from bridge.serve.app import ServerState, build_app
 from bridge.serve.chat import ChatRenderer
+from bridge.serve.ingest import DEFAULT_INLINE_BYTES, default_workers
 from bridge.serve.inputs import ServeLimits
 from bridge.serve.metrics import ServeMetrics
 from bridge.wire import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
@@ -90,7 +91,10 @@ def load_server_state(args: argparse.Namespace) -> ServerState:
     return ServerState(llm=llm, model_name=args.served_model_name or model.name, model_root=str(args.path),
                        limits=limits, chat=chat, metrics=metrics, api_key=args.api_key,
                        max_body_bytes=args.max_request_bytes, max_pending=args.max_pending_requests,
-                       drain_timeout_s=args.shutdown_timeout)
+                       drain_timeout_s=args.shutdown_timeout,
+                       ingest_workers=(default_workers(llm.device.type) if args.ingest_workers is None
+                                       else args.ingest_workers),
+                       ingest_inline_bytes=args.ingest_inline_bytes)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +119,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight beyond which new ones get 503 + Retry-After")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish on SIGTERM before they are aborted")
+    parser.add_argument("--ingest-workers", type=int, default=None,
+                        help="processes that parse large JSON bodies and decode prompt_embeds payloads "
+                             "off the engine's process (default: 4 on a GPU with 16+ cores, 0 on the CPU)")
+    parser.add_argument("--ingest-inline-bytes", type=int, default=DEFAULT_INLINE_BYTES,
+                        help="bodies up to this size are parsed in the server process (default 256 KiB)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     engine = parser.add_argument_group("engine options (runner.LLM)")

@@ -27,7 +27,9 @@ def chat_template_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def text_server(tiny_text_model, chat_template_file, tmp_path_factory):
     """One server over the tiny text model for the API and fuzz modules (prompt embeds on, an API
-    key, small limits so the limit paths are cheap to reach)."""
+    key, small limits so the limit paths are cheap to reach). Every JSON body goes through the ingest
+    pool (one worker process, no inline size), so these modules test the path a GPU server takes;
+    the other servers parse in-process, the CPU default."""
     log = tmp_path_factory.mktemp("serve_logs") / "text_server.log"
     server = ServerProcess(
         tiny_text_model, log, "--enable-prompt-embeds", "--dtype", "float32", "--max-model-len",
@@ -35,7 +37,8 @@ def text_server(tiny_text_model, chat_template_file, tmp_path_factory):
         "--max-num-batched-tokens", "256",
         "--chat-template", str(chat_template_file), "--max-pending-requests", str(MAX_PENDING),
         "--max-request-bytes", str(4 * 2**20), "--max-prompt-embeds-bytes", str(256 * 2**10), "--max-n", "8",
-        "--max-prompts-per-request", "16", "--served-model-name", "tiny", api_key=API_KEY)
+        "--max-prompts-per-request", "16", "--served-model-name", "tiny", "--ingest-workers", "1",
+        "--ingest-inline-bytes", "0", api_key=API_KEY)
     yield server
     assert server.stop() == 0, server.log()
 

@@ -222,4 +222,7 @@ def test_metrics_count_requests_tokens_and_latency(text_server):
     assert m["bridge:inter_token_latency_seconds_count"] > 0
     assert m['bridge:http_requests_total{route="/v1/completions",status="200"}'] > 0
     assert m["bridge:prompt_embeds_decode_seconds_count"] >= 4
+    # the text server parses every body in its ingest pool (conftest): none was parsed in-process
+    assert m['bridge:request_bodies_parsed_total{where="pool"}'] > 0
+    assert m.get('bridge:request_bodies_parsed_total{where="inline"}', 0) == 0
     assert m["bridge:kv_cache_usage_perc"] == 0.0

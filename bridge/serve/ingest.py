@@ -1,0 +1,215 @@
+"""Large request bodies parsed in worker processes: JSON and prompt-embeds payloads off the engine's GIL.
+
+Why: the server's event loop, its engine loop and every stream share one interpreter lock. A W1
+prompt-embeds request is a 1.9 MB JSON body; on an H200 host, `json.loads` took 1.7 ms of it and
+`load_prompt_embeds` (base64 + archive checks + `torch.load`) 3.6 ms, all holding the lock. At 64
+clients the bodies queued behind each other for longer than the whole generation took, and the
+engine idled. In a pool of spawned processes the same work runs in parallel and the event loop only
+moves bytes: the body out, and each decoded tensor's raw bytes back.
+
+What a worker returns is plain data (the parsed JSON with each top-level `prompt_embeds` string
+replaced by `PLACEHOLDER`, and per payload either `(bytes, dtype name, shape)` or the `ValueError`
+message); the tensor is rebuilt with `torch.frombuffer`, so nothing from a client is ever unpickled
+in either process, and a payload is validated by the same `load_prompt_embeds` as the inline path.
+
+Bodies up to `inline_bytes` are parsed in the event loop as before (the hop costs more than it
+saves on small ones); with `workers=0` every body is (the CPU-device default: there the engine
+needs the cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fastapi import Request
+from fastapi.routing import APIRoute
+
+from bridge.serve.metrics import ServeMetrics
+from bridge.wire import load_prompt_embeds
+
+logger = logging.getLogger(__name__)
+
+PLACEHOLDER = "<bridge: decoded by the ingest pool>"
+"""What a pre-decoded `prompt_embeds` string becomes in the parsed body (the payload itself stays in
+the worker). Only positions matter: a client that sends this text gets it base64-decoded (a 400)."""
+
+DEFAULT_INLINE_BYTES = 256 * 2**10
+
+
+@dataclass(frozen=True)
+class EmbedsSpec:
+    """What a worker needs to validate payloads exactly as the inline path does."""
+
+    enabled: bool
+    hidden_size: int
+    max_bytes: int
+    max_rows: int
+    max_prompts: int
+
+
+@dataclass
+class DecodedEmbeds:
+    """One payload as the pool decoded it: a tensor, or the 400's message; and the worker's time."""
+
+    tensor: torch.Tensor | None
+    error: str | None
+    seconds: float
+
+
+@dataclass
+class ParsedBody:
+    data: Any
+    embeds: list[DecodedEmbeds] | None  # aligned with the body's prompt_embeds list; None: not pre-decoded
+
+
+def default_workers(device_type: str) -> int:
+    """4 on a GPU server with 16+ cores (fewer with fewer cores); 0 on a CPU server."""
+    if device_type != "cuda":
+        return 0
+    return max(1, min(4, (os.cpu_count() or 2) // 4))
+
+
+# ----------------------------------------------------------------------------- in the worker
+
+def _init_worker() -> None:
+    torch.set_num_threads(1)  # one payload per process at a time; no OpenMP teams fighting the engine
+
+
+def _warm() -> int:
+    return os.getpid()
+
+
+def parse_in_worker(body: bytes, spec: EmbedsSpec) -> tuple[str, Any, Any]:
+    """("json_error", msg, pos) or ("ok", data, decoded | None). Runs in a pool process."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return "json_error", exc.msg, exc.pos
+    except UnicodeDecodeError as exc:  # json.loads decodes bytes itself; bad UTF-8 is a JSON error
+        return "json_error", f"invalid UTF-8 ({exc.reason})", exc.start
+    embeds = data.get("prompt_embeds") if isinstance(data, dict) else None
+    payloads = [embeds] if isinstance(embeds, str) else embeds
+    if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+        return "ok", data, None
+    decoded: list[tuple] = []
+    if spec.enabled and len(payloads) <= spec.max_prompts:  # else the route refuses them unread
+        for payload in payloads:
+            start = time.perf_counter()
+            try:
+                tensor = load_prompt_embeds(payload, hidden_size=spec.hidden_size, max_bytes=spec.max_bytes,
+                                            max_rows=spec.max_rows, check_finite=False)
+                raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+                decoded.append((raw, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), None,
+                                time.perf_counter() - start))
+            except ValueError as exc:
+                decoded.append((None, None, None, str(exc), time.perf_counter() - start))
+            except Exception as exc:  # noqa: BLE001 - hostile input: the route answers 400, the worker lives
+                message = f"prompt_embeds could not be decoded ({type(exc).__name__})"
+                decoded.append((None, None, None, message, time.perf_counter() - start))
+    data["prompt_embeds"] = PLACEHOLDER if isinstance(embeds, str) else [PLACEHOLDER] * len(payloads)
+    return "ok", data, decoded if decoded else None
+
+
+# ----------------------------------------------------------------------------- in the server
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64}
+
+
+def _rebuild(raw: bytes | None, dtype: str | None, shape: tuple | None, error: str | None,
+             seconds: float) -> DecodedEmbeds:
+    if error is not None or raw is None:
+        return DecodedEmbeds(None, error or "prompt_embeds could not be decoded", seconds)
+    tensor = torch.frombuffer(bytearray(raw), dtype=_DTYPES[dtype]).view(shape)
+    return DecodedEmbeds(tensor, None, seconds)
+
+
+class BodyParser:
+    """`await parse(body)`: the JSON value (json.JSONDecodeError like `json.loads`) and pre-decoded
+    prompt embeds, from a pool of `workers` spawned processes for bodies over `inline_bytes`."""
+
+    def __init__(self, spec: EmbedsSpec, *, workers: int, inline_bytes: int = DEFAULT_INLINE_BYTES,
+                 metrics: ServeMetrics | None = None) -> None:
+        if workers < 0:
+            raise ValueError(f"ingest workers must be >= 0, got {workers}")
+        self.spec = spec
+        self.metrics = metrics
+        self.workers = workers
+        self.inline_bytes = inline_bytes
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        # spawn: the server process holds CUDA state and threads that a fork would copy half-way
+        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker)
+
+    async def start(self) -> None:
+        """Start every worker now (each imports torch: seconds), not on the first large request."""
+        if self.workers and self._pool is None:
+            self._pool = self._new_pool()
+            loop = asyncio.get_running_loop()
+            warm = [loop.run_in_executor(self._pool, _warm) for _ in range(self.workers)]
+            pids = await asyncio.gather(*warm)
+            logger.info("ingest pool: %d worker processes (%s)", len(set(pids)), sorted(set(pids)))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _count(self, where: str) -> None:
+        if self.metrics is not None:
+            self.metrics.bodies_parsed.labels(where).inc()
+
+    async def parse(self, body: bytes) -> ParsedBody:
+        if self._pool is None or len(body) <= self.inline_bytes:
+            self._count("inline")
+            return ParsedBody(json.loads(body), None)
+        self._count("pool")
+        loop = asyncio.get_running_loop()
+        try:
+            kind, data, decoded = await loop.run_in_executor(self._pool, parse_in_worker, body, self.spec)
+        except BrokenProcessPool:
+            # a worker died (killed for memory?): answer this request from here, replace the pool
+            logger.error("an ingest worker died; restarting the pool and parsing this body in-process")
+            self.close()
+            self._pool = self._new_pool()
+            return ParsedBody(json.loads(body), None)
+        if kind == "json_error":
+            raise json.JSONDecodeError(data, "", decoded)
+        return ParsedBody(data, None if decoded is None else [_rebuild(*d) for d in decoded])
+
+
+class IngestRequest(Request):
+    """A Starlette request whose `json()` (what FastAPI calls to read a JSON body) goes through the
+    app's `BodyParser`; the pre-decoded prompt embeds land in `request.state.prompt_embeds`."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            parsed = await self.app.state.body_parser.parse(await self.body())
+            self._json = parsed.data
+            self.state.prompt_embeds = parsed.embeds
+        return self._json
+
+
+class IngestRoute(APIRoute):
+    """The route class of the app: hands FastAPI an `IngestRequest` (FastAPI's documented way to
+    customise body reading), so the routes keep their pydantic bodies and `/openapi.json` its schema."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            return await handler(IngestRequest(request.scope, request.receive))
+
+        return route
