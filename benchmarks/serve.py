@@ -88,6 +88,8 @@ def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, log_
         cmd += ["--device", "cpu"]
     if args.ingest_workers is not None:
         cmd += ["--ingest-workers", str(args.ingest_workers), "--ingest-inline-bytes", "0"]
+    if args.arrival_decode_window is not None:
+        cmd += ["--arrival-decode-window", str(args.arrival_decode_window)]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     if args.cpu:
@@ -182,6 +184,8 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--ingest-workers", type=int, default=None,
                     help="the server's --ingest-workers (default: its own; 0 parses every body in-process)")
+    ap.add_argument("--arrival-decode-window", type=int, default=None,
+                    help="the server's --arrival-decode-window (32 = the full window: the A/B)")
     args = ap.parse_args()
     device, model_dir, dtype = bench_setup(args)
     clients = [int(c) for c in (args.clients or ("4,16,32" if args.cpu else "16,64,256")).split(",")]

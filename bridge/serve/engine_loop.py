@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +65,13 @@ class _TickResult:
 class EngineLoop:
     """Owns `llm.core` for the server's lifetime. `submit` / `abort` from handlers; `run` is the task."""
 
-    def __init__(self, llm: LLM, *, max_pending: int, metrics: ServeMetrics) -> None:
+    def __init__(self, llm: LLM, *, max_pending: int, metrics: ServeMetrics,
+                 arriving: Callable[[], bool] | None = None, arrival_window: int = 4) -> None:
+        """`arriving()`: whether requests are on their way in (bodies being parsed); while they are,
+        decode windows are capped at `arrival_window` steps so the requests join the batch sooner."""
         self.llm = llm
+        self.arriving = arriving
+        self.arrival_window = arrival_window
         self.core = llm.core
         self.processor = llm.processor
         self.max_model_len = llm.max_model_len
@@ -196,7 +201,8 @@ class EngineLoop:
         error = None
         if self.core.has_unfinished():
             try:
-                deltas = self.core.step()
+                incoming = self.arriving is not None and self.arriving()
+                deltas = self.core.step(max_window=self.arrival_window if incoming else None)
                 self.num_steps += 1
             except Exception as exc:  # noqa: BLE001 - the loop must survive; its requests are aborted
                 logger.exception("engine step failed; aborting its requests")

@@ -94,7 +94,8 @@ def load_server_state(args: argparse.Namespace) -> ServerState:
                        drain_timeout_s=args.shutdown_timeout,
                        ingest_workers=(default_workers(llm.device.type) if args.ingest_workers is None
                                        else args.ingest_workers),
-                       ingest_inline_bytes=args.ingest_inline_bytes)
+                       ingest_inline_bytes=args.ingest_inline_bytes,
+                       arrival_window=args.arrival_decode_window)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +125,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "off the engine's process (default: 4 on a GPU with 16+ cores, 0 on the CPU)")
     parser.add_argument("--ingest-inline-bytes", type=int, default=DEFAULT_INLINE_BYTES,
                         help="bodies up to this size are parsed in the server process (default 256 KiB)")
+    parser.add_argument("--arrival-decode-window", type=int, default=4,
+                        help="while bodies are being parsed, cap decode windows at this many steps so the "
+                             "arriving requests join the batch sooner (default 4)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     engine = parser.add_argument_group("engine options (runner.LLM)")
