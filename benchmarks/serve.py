@@ -133,7 +133,8 @@ def request_bodies(payloads: list[str], output_lens: list[int]) -> list[bytes]:
             for payload, out_len in zip(payloads, output_lens)]
 
 
-async def run_clients(url: str, bodies: list[bytes], clients: int) -> dict:
+async def _client_loop(url: str, bodies: list[bytes], clients: int, start_at: float) -> dict:
+    """`clients` streams in this process, each sending its next body as soon as its last one ended."""
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -145,7 +146,7 @@ async def run_clients(url: str, bodies: list[bytes], clients: int) -> dict:
     async def worker(http: httpx.AsyncClient) -> None:
         while not queue.empty():
             i, body = queue.get_nowait()
-            sent = time.perf_counter()
+            sent = time.monotonic()
             first = last = None
             async with http.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
                 resp.raise_for_status()
@@ -156,7 +157,7 @@ async def run_clients(url: str, bodies: list[bytes], clients: int) -> dict:
                     if chunk.get("usage"):
                         tokens[i] = chunk["usage"]["completion_tokens"]
                     if chunk.get("choices"):
-                        last = time.perf_counter()
+                        last = time.monotonic()
                         first = first or last
             ttft.append(first - sent)
             if tokens[i] > 1:
@@ -164,11 +165,35 @@ async def run_clients(url: str, bodies: list[bytes], clients: int) -> dict:
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        t0 = time.perf_counter()
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         await asyncio.gather(*(worker(http) for _ in range(clients)))
-        dt = time.perf_counter() - t0
-    n = sum(tokens)
-    return {"tok_s": n / dt, "seconds": dt, "output_tokens": n,
+        ended = time.monotonic()
+    return {"ttft": ttft, "itl": itl, "tokens": sum(tokens), "ended": ended}
+
+
+def client_process(url: str, bodies: list[bytes], clients: int, start_at: float) -> dict:
+    return asyncio.run(_client_loop(url, bodies, clients, start_at))
+
+
+def run_clients(url: str, bodies: list[bytes], clients: int, pool=None, procs: int = 1) -> dict:
+    """N = `clients` concurrent streams over `procs` client processes (N real clients do not share one
+    interpreter: one process sending 64 x 1.9 MB and parsing 64 SSE streams is itself a bottleneck).
+    The processes start together at a common clock time; wall time runs from it to the last [DONE]."""
+    procs = max(1, min(procs, clients))
+    shares = [bodies[k::procs] for k in range(procs)]
+    counts = [clients // procs + (k < clients % procs) for k in range(procs)]
+    start_at = time.monotonic() + (0.5 + len(bodies) * 0.02 if pool is not None else 0.0)
+    if pool is None:
+        parts = [client_process(url, bodies, clients, start_at)]
+    else:
+        futures = [pool.submit(client_process, url, share, count, start_at)
+                   for share, count in zip(shares, counts) if share]
+        parts = [f.result() for f in futures]
+    dt = max(p["ended"] for p in parts) - start_at
+    ttft = [t for p in parts for t in p["ttft"]]
+    itl = [t for p in parts for t in p["itl"]]
+    n = sum(p["tokens"] for p in parts)
+    return {"tok_s": n / dt, "seconds": dt, "output_tokens": n, "client_processes": len(parts),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
 
@@ -184,6 +209,8 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--ingest-workers", type=int, default=None,
                     help="the server's --ingest-workers (default: its own; 0 parses every body in-process)")
+    ap.add_argument("--client-procs", type=int, default=None,
+                    help="client processes the N streams are spread over (default min(8, CPUs/2))")
     ap.add_argument("--arrival-decode-window", type=int, default=None,
                     help="the server's --arrival-decode-window (32 = the full window: the A/B)")
     args = ap.parse_args()
@@ -232,13 +259,20 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     log_path = pathlib.Path(tempfile.gettempdir()) / "bridge_serve_bench.log"
+    pool = None
     proc, url = start_server(model_dir, args, settings, dtype_name, log_path)
     try:
-        asyncio.run(run_clients(url, bodies[:4], 4))  # warm-up
+        procs = args.client_procs or max(1, min(8, (os.cpu_count() or 2) // 2))
+        if procs > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
+        run_clients(url, bodies[:procs * 2], procs * 2, pool, procs)  # warm-up (and the pool's start)
         for c in clients:
             n = max(c, 32 if args.cpu else 64)
             before = server_metrics(url)
-            res = asyncio.run(run_clients(url, bodies[:n], c))
+            res = run_clients(url, bodies[:n], c, pool, procs)
             after = server_metrics(url)
             decode_s = (after["bridge:prompt_embeds_decode_seconds_sum"]
                         - before["bridge:prompt_embeds_decode_seconds_sum"])
@@ -256,6 +290,8 @@ def main() -> int:
                 f"ITL p50 {res['itl_p50_s'] * 1e3:.1f} ms p99 {res['itl_p99_s'] * 1e3:.1f} ms; "
                 f"decode {decode_s:.3f} s")
     finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
