@@ -276,6 +276,13 @@ def main() -> int:
             after = server_metrics(url)
             decode_s = (after["bridge:prompt_embeds_decode_seconds_sum"]
                         - before["bridge:prompt_embeds_decode_seconds_sum"])
+            for phase, name in (("body_receive", "request_body_receive_seconds"),
+                                ("parse", "request_parse_seconds"),
+                                ("admission", "request_admission_seconds"),
+                                ("server_ttft", "time_to_first_token_seconds")):
+                count = after[f"bridge:{name}_count"] - before[f"bridge:{name}_count"]
+                total = after[f"bridge:{name}_sum"] - before[f"bridge:{name}_sum"]
+                res[f"mean_{phase}_s"] = total / count if count else float("nan")
             pooled = 'bridge:request_bodies_parsed_total{where="pool"}'
             res["bodies_parsed_in_pool"] = after.get(pooled, 0) - before.get(pooled, 0)
             res.update(requests=n, offline_tok_s=offline[n]["tok_s"],
@@ -288,7 +295,10 @@ def main() -> int:
                 f"{res['fraction_of_offline']:.2f} of offline; TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms "
                 f"p99 {res['ttft_p99_s'] * 1e3:.0f} ms; "
                 f"ITL p50 {res['itl_p50_s'] * 1e3:.1f} ms p99 {res['itl_p99_s'] * 1e3:.1f} ms; "
-                f"decode {decode_s:.3f} s")
+                f"decode {decode_s:.3f} s; server means: body {res['mean_body_receive_s'] * 1e3:.0f} ms, "
+                f"parse {res['mean_parse_s'] * 1e3:.0f} ms, "
+                f"admission {res['mean_admission_s'] * 1e3:.0f} ms, "
+                f"TTFT from parsed {res['mean_server_ttft_s'] * 1e3:.0f} ms")
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

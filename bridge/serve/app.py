@@ -8,6 +8,7 @@ the drain timeout, aborts the rest and frees the engine.
 
 from __future__ import annotations
 
+import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from bridge.serve.chat import ChatRenderer
 from bridge.serve.engine_loop import EngineLoop
 from bridge.serve.errors import ApiError, bounded, install_error_handlers
 from bridge.serve.generation import Generation, TokenText
-from bridge.serve.guards import Guards
+from bridge.serve.guards import BODY_RECEIVED, Guards
 from bridge.serve.ingest import BodyParser, EmbedsSpec, IngestRoute
 from bridge.serve.inputs import ServeLimits, completion_prompts, samples_params
 from bridge.serve.metrics import ServeMetrics
@@ -89,6 +90,12 @@ def build_app(state: ServerState) -> Guards:
     app.state.body_parser = state.body_parser
     install_error_handlers(app)
 
+    def parsed(raw: Request) -> None:
+        """Record the body-to-prompts time (the parse and payload decode) of the request."""
+        received = raw.scope.get(BODY_RECEIVED)
+        if received is not None:
+            state.metrics.parse_seconds.observe(time.perf_counter() - received)
+
     def check_model(name: str | None) -> None:
         # the served name, or the PATH the server was started with (vLLM's default name)
         if name is not None and name not in (state.model_name, state.model_root):
@@ -121,6 +128,7 @@ def build_app(state: ServerState) -> Guards:
                                            decoded=getattr(raw.state, "prompt_embeds", None))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = samples_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=state.limits)
+        parsed(raw)
         gen = Generation(state.loop, state.metrics, base_id=f"cmpl-{uuid.uuid4().hex}",
                          model=state.model_name, prompts=prompts, params=params, n=body.n, check_context=True,
                          token_text=state.token_text)
@@ -143,6 +151,7 @@ def build_app(state: ServerState) -> Guards:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         params = samples_params(body, max_tokens=max_tokens, logprobs=logprobs, limits=state.limits)
+        parsed(raw)
         gen = Generation(state.loop, state.metrics, base_id=f"chatcmpl-{uuid.uuid4().hex}",
                          model=state.model_name, prompts=[prompt], params=params, n=body.n,
                          check_context=given is not None, token_text=state.token_text)

@@ -105,6 +105,7 @@ class Generation:
                            headers={"Retry-After": RETRY_AFTER_S}) from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
+        self.metrics.admission_seconds.observe(time.perf_counter() - self.arrival)
         self.prompt_lens = lens[:: self.n]
 
     def abort(self) -> None:

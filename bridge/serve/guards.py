@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +24,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version", "/metrics",
                 "/openapi.json", "/docs")
 
+
+ARRIVED = "bridge.arrived"
+BODY_RECEIVED = "bridge.body_received"
+"""Scope keys: `time.perf_counter()` when the request started and when its body was in."""
 
 DRAIN_LIMIT_BYTES = 64 * 2**20
 """After a 413, read (and drop) up to this much of the body, so that the client, which is still
@@ -61,6 +66,7 @@ class Guards:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[ARRIVED] = time.perf_counter()
         path = scope.get("path", "")
         route = path if path in KNOWN_ROUTES else "other"
         status_seen: list[int] = []
@@ -114,6 +120,8 @@ class Guards:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        scope[BODY_RECEIVED] = time.perf_counter()
+        self.metrics.body_seconds.observe(scope[BODY_RECEIVED] - scope[ARRIVED])
         replayed = False
 
         async def replay() -> dict:

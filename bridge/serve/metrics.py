@@ -56,6 +56,16 @@ class ServeMetrics:
         self.bodies_parsed = Counter("bridge:request_bodies_parsed",
                                      "JSON request bodies by where they were parsed (pool: an ingest worker)",
                                      ["where"], registry=r)
+        # Where a request's time goes before the engine has it (issue: report HTTP vs decode vs queue)
+        self.body_seconds = Histogram("bridge:request_body_receive_seconds",
+                                      "Request start to its whole body received (HTTP)",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.parse_seconds = Histogram("bridge:request_parse_seconds",
+                                       "Body received to prompts ready (JSON, validation, payload decode)",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.admission_seconds = Histogram("bridge:request_admission_seconds",
+                                           "Prompts ready to added to the engine (waits for its tick)",
+                                           buckets=_LATENCY_BUCKETS, registry=r)
         self.running = Gauge("bridge:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("bridge:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_usage = Gauge("bridge:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
