@@ -83,7 +83,9 @@ _pool_lock = threading.Lock()
 
 
 def _hash_workers() -> int:
-    return min(8, os.cpu_count() or 1)
+    """Threads that hash at once (the caller's included): the CPUs this process may run on, at most 8."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(8, cpus or 1)
 
 
 def _hash_pool() -> ThreadPoolExecutor:
