@@ -21,10 +21,11 @@ from runner.engine.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, 
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY
 from runner.multimodal.placeholders import (
     ExpandedPrompt,
+    PassthroughBatch,
     check_dense_tensor,
     expand_mm_prompt,
-    fits_dtype,
     placeholder_token,
+    tensors_fit_dtype,
 )
 from runner.multimodal.prompt_text import split_at_placeholders
 from runner.multimodal.state import MultimodalState
@@ -62,15 +63,9 @@ def check_embeds_finite(parsed: Sequence[ParsedPrompt], dtype: torch.dtype | Non
     One host sync per device for the whole call instead of one per prompt (64 prompts on a GPU
     paid 64 round trips before anything was scheduled).
     """
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for i, p in enumerate(parsed):
-        if p.embeds is not None:
-            by_device.setdefault(p.embeds.device, []).append((i, p.embeds))
-    bad = []
-    for items in by_device.values():
-        finite = torch.stack([fits_dtype(e, dtype) for _, e in items]).tolist()
-        bad += [i for (i, _), ok in zip(items, finite) if not ok]
-    _refuse_not_finite(bad, dtype)
+    where = [i for i, p in enumerate(parsed) if p.embeds is not None]
+    fits = tensors_fit_dtype([parsed[i].embeds for i in where], dtype)
+    _refuse_not_finite([i for i, ok in zip(where, fits) if not ok], dtype)
 
 
 def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader, *,
@@ -140,8 +135,16 @@ class PromptProcessor:
     # ----------------------------------------------------------------------------- whole calls
     def process(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
                 request_ids: Sequence[str], *, stream_text: bool = False) -> list[Request]:
-        """Validate every prompt and its params, then build the requests (all or none)."""
-        parsed = [self.parse(i, p) for i, p in enumerate(prompts)]
+        """Validate every prompt and its params, then build the requests (all or none).
+
+        The call's passthrough items are hashed and checked together once every prompt is parsed
+        (`PassthroughBatch`); an item whose content the encoder cache already holds was checked
+        when it got there and is not read again.
+        """
+        passthrough = PassthroughBatch()
+        with passthrough.collecting(self.dtype):
+            parsed = [self.parse(i, p, passthrough) for i, p in enumerate(prompts)]
+        passthrough.finish(self.dtype, known=self.mm.cache.__contains__)
         if self.uploader is not None:
             stage_embeds(parsed, self.dtype, self.uploader, keep=self.keep_device_embeds)
         else:
@@ -163,12 +166,18 @@ class PromptProcessor:
                 raise ValueError(f"prompt {i}: prompt_token_ids must be a 1-D integer tensor or a list of "
                                  "ints")
             ids = ids.tolist()
-        if (not isinstance(ids, Sequence) or isinstance(ids, str | bytes)
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
+            raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
+        # Plain ints (the usual case) are recognised by one pass at C speed; anything else is
+        # looked at token by token (int subclasses other than bool are ints too).
+        if (not set(map(type, ids)) <= {int}
+                and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
             raise ValueError(f"prompt {i}: prompt_token_ids must be a list of ints")
         return list(ids)
 
     def _check_ids(self, i: int, ids: Sequence[int]) -> None:
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # min/max: C speed
+            return
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt {i}: token ids {bad[:5]} are outside the vocabulary "
@@ -179,11 +188,14 @@ class PromptProcessor:
             raise ValueError(f"prompt {i}: a text prompt needs a tokenizer in the model directory")
         return list(self.tokenizer.encode(text))
 
-    def parse(self, i: int, prompt: PromptType) -> ParsedPrompt:
+    def parse(self, i: int, prompt: PromptType, passthrough: PassthroughBatch | None = None) -> ParsedPrompt:
+        """Validate prompt `i`. `passthrough`: collect its passthrough items there, unhashed and
+        unchecked, for the caller to `finish` with the rest of its call; without it they are
+        finished here."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if isinstance(prompt, dict) and "multi_modal_data" in prompt:
-            return self.parse_multimodal(i, prompt)
+            return self.parse_multimodal(i, prompt, passthrough)
         if not isinstance(prompt, dict):
             raise ValueError(f"prompt {i}: expected a str or a dict, got {type(prompt).__name__}")
         unknown = set(prompt) - _PROMPT_KEYS
@@ -280,7 +292,8 @@ class PromptProcessor:
                              f"{modality!r}")
         return tid
 
-    def parse_multimodal(self, i: int, prompt: dict[str, Any]) -> ParsedPrompt:
+    def parse_multimodal(self, i: int, prompt: dict[str, Any],
+                         passthrough: PassthroughBatch | None = None) -> ParsedPrompt:
         unknown = set(prompt) - _MM_PROMPT_KEYS
         if unknown:
             raise ValueError(f"prompt {i}: keys {sorted(map(str, unknown))[:8]} cannot go with "
@@ -320,7 +333,8 @@ class PromptProcessor:
         self._check_ids(i, ids)
         self.on_multimodal()
         expanded = expand_mm_prompt(ids, mm_data, placeholder_ids, self.mm.encoders, self.hidden_size,
-                                    where=f"prompt {i}", placeholder_positions=positions, dtype=self.dtype)
+                                    where=f"prompt {i}", placeholder_positions=positions, dtype=self.dtype,
+                                    passthrough=passthrough)
         if not expanded.token_ids:
             raise ValueError(f"prompt {i}: the prompt is empty")
         if len(expanded.token_ids) > self.max_model_len:
@@ -328,7 +342,8 @@ class PromptProcessor:
                              f"exceed max_model_len {self.max_model_len}")
         for feature in expanded.features:
             self.mm.cache.check_item_rows(feature.placeholder.num_embeds)
-        mask = None if bool(expanded.is_token_ids.all()) else expanded.is_token_ids
+        # Every item takes >= 1 position, so the mask is all True exactly when there is no item.
+        mask = expanded.is_token_ids if expanded.features else None
         return ParsedPrompt(text, expanded.token_ids, None, mask, expanded)
 
     # ----------------------------------------------------------------------------- requests
