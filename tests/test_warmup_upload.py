@@ -97,7 +97,7 @@ def test_gpu_uploader_round_trips_in_chunks_and_bounds_its_memory():
     assert up.read_flags([up.upload(inf, torch.bfloat16, check_fits=True)[1]]) == [False]
     kept, _ = up.upload(torch.ones(1024, 64), torch.float32)
     assert up.keep(kept) and up.kept_bytes == 1024 * 64 * 4
-    big, _ = up.upload(torch.ones(2048, 64), torch.float32)
+    big, _ = up.upload(torch.ones(3073, 64), torch.float32)  # 768 KiB + 256 B: with `kept`, over 1 MiB
     assert not up.keep(big)  # over the keep budget
     del kept
     gc.collect()
@@ -107,7 +107,7 @@ def test_gpu_uploader_round_trips_in_chunks_and_bounds_its_memory():
 @pytest.mark.gpu
 def test_gpu_cpu_tensor_embeds_match_device_embeds_and_ids(model_dir):
     g = torch.Generator().manual_seed(1)
-    ids = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (40, 7, 300)]
+    ids = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (40, 7, 200)]  # context 256
     llm = LLM(model_dir, enable_prompt_embeds=True, dtype="float32", num_kv_blocks=256)
     table = llm.runner.embed_tokens.weight.detach()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
