@@ -279,10 +279,13 @@ def main() -> int:
             for phase, name in (("body_receive", "request_body_receive_seconds"),
                                 ("parse", "request_parse_seconds"),
                                 ("admission", "request_admission_seconds"),
-                                ("server_ttft", "time_to_first_token_seconds")):
+                                ("server_ttft", "time_to_first_token_seconds"),
+                                ("tick_admit", "engine_tick_admit_seconds"),
+                                ("engine_step", "engine_step_seconds")):
                 count = after[f"bridge:{name}_count"] - before[f"bridge:{name}_count"]
                 total = after[f"bridge:{name}_sum"] - before[f"bridge:{name}_sum"]
                 res[f"mean_{phase}_s"] = total / count if count else float("nan")
+                res[f"sum_{phase}_s"], res[f"count_{phase}"] = total, count
             pooled = 'bridge:request_bodies_parsed_total{where="pool"}'
             res["bodies_parsed_in_pool"] = after.get(pooled, 0) - before.get(pooled, 0)
             res.update(requests=n, offline_tok_s=offline[n]["tok_s"],
@@ -298,7 +301,9 @@ def main() -> int:
                 f"decode {decode_s:.3f} s; server means: body {res['mean_body_receive_s'] * 1e3:.0f} ms, "
                 f"parse {res['mean_parse_s'] * 1e3:.0f} ms, "
                 f"admission {res['mean_admission_s'] * 1e3:.0f} ms, "
-                f"TTFT from parsed {res['mean_server_ttft_s'] * 1e3:.0f} ms")
+                f"TTFT from parsed {res['mean_server_ttft_s'] * 1e3:.0f} ms; engine thread: "
+                f"admitting {res['sum_tick_admit_s']:.2f} s in {res['count_tick_admit']} ticks, "
+                f"stepping {res['sum_engine_step_s']:.2f} s in {res['count_engine_step']} steps")
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

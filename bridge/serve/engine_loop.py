@@ -163,6 +163,7 @@ class EngineLoop:
 
     def _tick(self, subs: list[Submission], aborts: list[str]) -> _TickResult:
         """Runs in a worker thread; the only code that touches the core."""
+        started = time.perf_counter()
         added: list[tuple[Submission, BaseException | None]] = []
         items = hits = 0
         seen: set[str] = set()
@@ -197,13 +198,17 @@ class EngineLoop:
             if self.core.abort(rid) is not None:
                 self.num_aborted += 1
                 self.metrics.aborted.inc()
+        if subs:
+            self.metrics.tick_admit_seconds.observe(time.perf_counter() - started)
         deltas: list[RequestDelta] = []
         error = None
         if self.core.has_unfinished():
+            stepped = time.perf_counter()
             try:
                 incoming = self.arriving is not None and self.arriving()
                 deltas = self.core.step(max_window=self.arrival_window if incoming else None)
                 self.num_steps += 1
+                self.metrics.step_seconds.observe(time.perf_counter() - stepped)
             except Exception as exc:  # noqa: BLE001 - the loop must survive; its requests are aborted
                 logger.exception("engine step failed; aborting its requests")
                 error = exc

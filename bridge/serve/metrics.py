@@ -66,6 +66,12 @@ class ServeMetrics:
         self.admission_seconds = Histogram("bridge:request_admission_seconds",
                                            "Prompts ready to added to the engine (waits for its tick)",
                                            buckets=_LATENCY_BUCKETS, registry=r)
+        self.tick_admit_seconds = Histogram("bridge:engine_tick_admit_seconds",
+                                            "Per engine tick: validating and adding the new submissions",
+                                            buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("bridge:engine_step_seconds",
+                                      "Per engine tick: one engine step or decode window",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
         self.running = Gauge("bridge:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("bridge:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_usage = Gauge("bridge:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,10 @@ def serve(args: argparse.Namespace) -> int:
     """Load the engine and serve until a signal; 0 on a clean shutdown."""
     import uvicorn
 
+    # The engine's thread and the event loop share the GIL; each time the engine's thread waits on
+    # the GPU it gives the lock up, and getting it back from a busy event loop took up to the
+    # default 5 ms switch interval (a convoy: seconds per step while 64 bodies were being read).
+    sys.setswitchinterval(float(os.environ.get("BRIDGE_SWITCH_INTERVAL", "0.0005")))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = load_server_state(args)
