@@ -209,6 +209,8 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--ingest-workers", type=int, default=None,
                     help="the server's --ingest-workers (default: its own; 0 parses every body in-process)")
+    ap.add_argument("--server-runs", type=int, default=2,
+                    help="runs per client level, the best counts (offline: best of 2 after a warm-up)")
     ap.add_argument("--client-procs", type=int, default=None,
                     help="client processes the N streams are spread over (default min(8, CPUs/2))")
     ap.add_argument("--arrival-decode-window", type=int, default=None,
@@ -271,9 +273,21 @@ def main() -> int:
         run_clients(url, bodies[:procs * 2], procs * 2, pool, procs)  # warm-up (and the pool's start)
         for c in clients:
             n = max(c, 32 if args.cpu else 64)
-            before = server_metrics(url)
-            res = run_clients(url, bodies[:n], c, pool, procs)
-            after = server_metrics(url)
+            # Like the offline side (best of 2 after a warm-up), the served level runs `--server-runs`
+            # times and the best counts; the first one's numbers are kept: a fresh server's first
+            # burst of a new size pays kernel compiles the offline engine paid in its own warm-up.
+            first = None
+            for _ in range(args.server_runs):
+                before = server_metrics(url)
+                res = run_clients(url, bodies[:n], c, pool, procs)
+                after = server_metrics(url)
+                if first is None:
+                    first = res
+                if res["tok_s"] >= first["tok_s"]:
+                    best = (before, res, after)
+            before, res, after = best
+            res["first_run_tok_s"] = first["tok_s"]
+            res["first_run_ttft_p50_s"] = first["ttft_p50_s"]
             decode_s = (after["bridge:prompt_embeds_decode_seconds_sum"]
                         - before["bridge:prompt_embeds_decode_seconds_sum"])
             for phase, name in (("body_receive", "request_body_receive_seconds"),
@@ -294,6 +308,8 @@ def main() -> int:
                        server_decode_share_of_wall=decode_s / res["seconds"],
                        client_encode_seconds=encode_s * n / n_max)
             results["levels"][str(c)] = res
+            log(f"  {c} clients, first run {first['tok_s']:.0f} tok/s "
+                f"(TTFT p50 {first['ttft_p50_s'] * 1e3:.0f} ms)")
             log(f"  {c} clients, {n} requests: {res['tok_s']:.0f} tok/s = "
                 f"{res['fraction_of_offline']:.2f} of offline; TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms "
                 f"p99 {res['ttft_p99_s'] * 1e3:.0f} ms; "
