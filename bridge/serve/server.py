@@ -78,9 +78,26 @@ def build_llm(model: LoadedModel, args: argparse.Namespace) -> LLM:
     return llm
 
 
+def set_torch_threads(args: argparse.Namespace, device_type: str) -> None:
+    """CPU threads for torch's ops in the server process: 1 on a GPU server unless told otherwise.
+
+    There the process's own CPU tensor work is small (step inputs, uploads), while the host is busy
+    with HTTP, the ingest workers and often the clients; an OpenMP team spread over busy cores waits
+    at its barriers for descheduled threads (a 20 us copy took ms beside another busy process). vLLM
+    runs its GPU workers with OMP_NUM_THREADS=1 for the same reason. A CPU server keeps torch's
+    default: there the model runs on those threads.
+    """
+    import torch
+
+    threads = args.torch_threads if args.torch_threads is not None else (1 if device_type == "cuda" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 def load_server_state(args: argparse.Namespace) -> ServerState:
     model = resolve_model(args.path)
     llm = build_llm(model, args)
+    set_torch_threads(args, llm.device.type)
     limits = ServeLimits(max_prompts=args.max_prompts_per_request, max_n=args.max_n,
                          max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
                          enable_prompt_embeds=args.enable_prompt_embeds)
@@ -127,6 +144,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "off the engine's process (default: 4 on a GPU with 16+ cores, 0 on the CPU)")
     parser.add_argument("--ingest-inline-bytes", type=int, default=DEFAULT_INLINE_BYTES,
                         help="bodies up to this size are parsed in the server process (default 256 KiB)")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch CPU threads in the server process (default: 1 with a GPU engine, "
+                             "torch's default on the CPU)")
     parser.add_argument("--arrival-decode-window", type=int, default=4,
                         help="while bodies are being parsed, cap decode windows at this many steps so the "
                              "arriving requests join the batch sooner (default 4)")
