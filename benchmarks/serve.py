@@ -285,6 +285,8 @@ def main() -> int:
                     first = res
                 if res["tok_s"] >= first["tok_s"]:
                     best = (before, res, after)
+                builds = after["bridge:kernel_compiles"] - before["bridge:kernel_compiles"]
+                log(f"    run: {res['tok_s']:.0f} tok/s, {builds:.0f} Triton builds in the server")
             before, res, after = best
             res["first_run_tok_s"] = first["tok_s"]
             res["first_run_ttft_p50_s"] = first["ttft_p50_s"]
@@ -300,6 +302,9 @@ def main() -> int:
                 total = after[f"bridge:{name}_sum"] - before[f"bridge:{name}_sum"]
                 res[f"mean_{phase}_s"] = total / count if count else float("nan")
                 res[f"sum_{phase}_s"], res[f"count_{phase}"] = total, count
+            res["kernel_compiles"] = after["bridge:kernel_compiles"] - before["bridge:kernel_compiles"]
+            res["kernel_compile_s"] = (after["bridge:kernel_compile_seconds"]
+                                       - before["bridge:kernel_compile_seconds"])
             pooled = 'bridge:request_bodies_parsed_total{where="pool"}'
             res["bodies_parsed_in_pool"] = after.get(pooled, 0) - before.get(pooled, 0)
             res.update(requests=n, offline_tok_s=offline[n]["tok_s"],
@@ -319,7 +324,8 @@ def main() -> int:
                 f"admission {res['mean_admission_s'] * 1e3:.0f} ms, "
                 f"TTFT from parsed {res['mean_server_ttft_s'] * 1e3:.0f} ms; engine thread: "
                 f"admitting {res['sum_tick_admit_s']:.2f} s in {res['count_tick_admit']} ticks, "
-                f"stepping {res['sum_engine_step_s']:.2f} s in {res['count_engine_step']} steps")
+                f"stepping {res['sum_engine_step_s']:.2f} s in {res['count_engine_step']} steps; "
+                f"{res['kernel_compiles']:.0f} Triton builds ({res['kernel_compile_s']:.2f} s)")
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
@@ -328,6 +334,10 @@ def main() -> int:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    builds = [line for line in log_path.read_text(errors="replace").splitlines() if "built" in line]
+    results["server_kernel_build_log"] = builds[-40:]
+    for line in builds[-12:]:
+        log(f"  server: {line[-300:]}")
     out = args.out
     if out is None and os.environ.get("OUT"):
         out = os.path.join(os.environ["OUT"], "serve_benchmark.json")

@@ -36,6 +36,7 @@ from runner.multimodal.state import MultimodalState
 from runner.outputs import GenerationError, RequestOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.hf_config import text_config
+from runner.worker.kernel_compiles import kernel_compiles
 from runner.worker.memory_report import memory_report
 from runner.worker.model_files import check_model_files
 from runner.worker.model_states import load_hf_config, resolve_model_state_cls
@@ -141,6 +142,8 @@ class LLM:
             budget_tokens=budget, uses_mrope=self.model_state_cls.uses_mrope,
             supports_realtime=self.model_state_cls.supports_realtime, max_num_seqs=config.max_num_seqs,
         )
+        # Triton builds from here on are counted (profiling, graph capture, warm-up, then traffic)
+        self.kernel_compiles = kernel_compiles() if self.device.type == "cuda" else None
         self.core = EngineCore(config, hf_config, mm=self.mm, eos_token_ids=tuple(self.eos_token_ids),
                                async_scheduling=verdict)
         self.use_cuda_graphs = config.use_cuda_graphs
@@ -160,6 +163,8 @@ class LLM:
         self._live_requests: dict[str, Any] = {}
         self._advanced_live: set[str] = set()
         self.warmup_seconds = warm_up(self) if config.warmup else 0.0
+        # what construction built: a count that grows past this under traffic is a cold first call
+        self.kernel_compiles_at_ready = self.kernel_compiles.count if self.kernel_compiles else 0
 
     # ----------------------------------------------------------------------------- parts
     def memory_report(self) -> dict:

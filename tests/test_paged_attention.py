@@ -215,6 +215,29 @@ def test_triton_prefill_flat_grid_with_many_requests_and_padding():
     assert torch.isnan(out[real:]).all()
 
 
+def test_triton_prefill_finds_its_request_past_one_search_block():
+    """More requests than PREFILL_SEARCH_BLOCK: the programs' search loops over blocks of requests."""
+    from runner.layers.paged_attention_triton import PREFILL_SEARCH_BLOCK
+
+    specs = [(i % 3, 1 + (i % 4)) for i in range(PREFILL_SEARCH_BLOCK + 6)]
+    batch = make_batch(specs, seed=13)
+    out = run_triton(batch)
+    real = owned_rows(batch)
+    torch.testing.assert_close(out[:real], run_torch(batch)[:real], atol=2e-5, rtol=2e-5)
+
+
+def test_split_counts_are_powers_of_two_that_fit_one_wave():
+    from runner.layers import paged_attention_triton as pat
+
+    cfg = DecodeConfig(tile_n=16, num_warps=4, num_stages=1)
+    slots = pat._num_sms(torch.device("cpu")) * cfg.programs_per_sm
+    for num_reqs in range(1, 300):
+        splits = pat.choose_num_splits(num_reqs, 8, torch.device("cpu"), cfg)
+        assert splits & (splits - 1) == 0 and 1 <= splits <= cfg.max_splits
+        assert splits == 1 or num_reqs * 8 * splits <= slots  # one wave
+        assert 2 * splits > min(cfg.max_splits, max(1, slots // (num_reqs * 8)))  # the largest such
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(("block_size", "tile_n"), [(16, 16), (16, 32), (32, 16)])
 def test_triton_decode_matches_torch_path(num_splits, block_size, tile_n):
@@ -445,7 +468,7 @@ for splits in (1, 4):
 build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, NUM_SPLITS=3, SPLITS_PAD=4, HEAD_DIM=128), COMMON,
       num_warps=2)
 build(pat._prefill_kernel, bf16, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, G_PAD=2,
-      TILE_N=64, SEARCH_BLOCK=256, IS_FP32=False), COMMON, num_warps=8, num_stages=3)
+      TILE_N=64, SEARCH_BLOCK=pat.PREFILL_SEARCH_BLOCK, IS_FP32=False), COMMON, num_warps=8, num_stages=3)
 build(pat._write_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16",
       value_cache_ptr="*bf16", slot_ptr="*i64"), dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1,
       BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), [], num_warps=4)

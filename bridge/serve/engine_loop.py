@@ -88,6 +88,8 @@ class EngineLoop:
         self.snapshot = self._snapshot()
         self.num_steps = 0
         self.num_aborted = 0
+        compiles = getattr(llm, "kernel_compiles", None)
+        self._builds_seen = compiles.count if compiles is not None else 0
 
     # ----------------------------------------------------------------------------- handlers' side
     @property
@@ -209,6 +211,7 @@ class EngineLoop:
                 deltas = self.core.step(max_window=self.arrival_window if incoming else None)
                 self.num_steps += 1
                 self.metrics.step_seconds.observe(time.perf_counter() - stepped)
+                self._report_builds()
             except Exception as exc:  # noqa: BLE001 - the loop must survive; its requests are aborted
                 logger.exception("engine step failed; aborting its requests")
                 error = exc
@@ -216,6 +219,17 @@ class EngineLoop:
                     self.core.abort(rid)
                 self.core.in_flight = None
         return _TickResult(added, deltas, self._snapshot(), error, items, hits)
+
+    def _report_builds(self) -> None:
+        """Log the Triton kernels a step built: the step's requests waited for them (the warm-up
+        missed a specialisation; `bridge:kernel_compiles` counts them)."""
+        compiles = getattr(self.llm, "kernel_compiles", None)
+        if compiles is None or compiles.count <= self._builds_seen:
+            return
+        new = compiles.count - self._builds_seen
+        self._builds_seen = compiles.count
+        shown = "; ".join(f"{name} ({took:.2f} s)" for name, took in compiles.recent[-min(new, 4):])
+        logger.warning("an engine step built %d Triton kernel(s) while serving: %s", new, shown)
 
     def _fail_all(self, subs: list[Submission]) -> None:
         for sub in subs:
@@ -231,13 +245,16 @@ class EngineLoop:
 
     def _snapshot(self) -> EngineSnapshot:
         s, cache = self.core.scheduler, self.llm.mm.cache
+        compiles = getattr(self.llm, "kernel_compiles", None)
         return EngineSnapshot(
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_free_blocks=self.core.block_manager.num_free_blocks,
             num_total_blocks=self.core.block_manager.num_blocks,
             num_free_slots=s.num_free_slots, num_total_slots=s.max_num_seqs,
             encoder_calls=cache.num_encoder_calls, encoded_items=cache.num_encoded_items,
-            passthrough_uploads=cache.num_uploads)
+            passthrough_uploads=cache.num_uploads,
+            kernel_compiles=compiles.count if compiles else 0,
+            kernel_compile_seconds=compiles.seconds if compiles else 0.0)
 
     def _deliver(self, result: _TickResult) -> None:
         for sub, exc in result.added:

@@ -28,6 +28,8 @@ class EngineSnapshot:
     encoder_calls: int = 0
     encoded_items: int = 0
     passthrough_uploads: int = 0
+    kernel_compiles: int = 0
+    kernel_compile_seconds: float = 0.0
 
 
 class ServeMetrics:
@@ -72,6 +74,11 @@ class ServeMetrics:
         self.step_seconds = Histogram("bridge:engine_step_seconds",
                                       "Per engine tick: one engine step or decode window",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.kernel_compiles = Gauge("bridge:kernel_compiles",
+                                     "Triton kernel builds in the server process, start-up included",
+                                     registry=r)
+        self.kernel_compile_seconds = Gauge("bridge:kernel_compile_seconds",
+                                            "Seconds spent building them", registry=r)
         self.running = Gauge("bridge:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("bridge:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_usage = Gauge("bridge:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
@@ -101,6 +108,8 @@ class ServeMetrics:
         self.encoded_items.set(s.encoded_items)
         self.encoder_calls.set(s.encoder_calls)
         self.live.set(live)
+        self.kernel_compiles.set(s.kernel_compiles)
+        self.kernel_compile_seconds.set(s.kernel_compile_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

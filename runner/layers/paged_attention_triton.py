@@ -457,7 +457,7 @@ def _decode_reduce_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # one build for every batch size (see PREFILL_SEARCH_BLOCK)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -621,6 +621,12 @@ class PrefillConfig:
     num_stages: int = 3
 
 
+PREFILL_SEARCH_BLOCK = 64
+"""Requests the prefill kernel's programs scan per iteration to find their own (a loop covers more).
+A constant: it is a constexpr, and `next_pow2(num_reqs)`, as it was, built the kernel again for every
+new power of two of the batch size, so a server's bursts of arrivals paid seconds of builds mid-step."""
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -631,16 +637,20 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, config: DecodeConfig) -> int:
     """Split the key range only while (requests x KV heads) leaves resident-program slots idle.
 
-    The split count is the largest that still fits one wave (a second, partly filled wave costs more than
-    the idle slots it fills), and 1 once the unsplit grid fills a wave: on the H200 every split of a full
-    wave lost time to the partial writes and the reduce. Depends on the (padded) batch size and head count
-    alone, never on sequence lengths, so a captured CUDA graph stays valid for every replay.
+    The split count is the largest power of two that still fits one wave (a second, partly filled wave
+    costs more than the idle slots it fills), and 1 once the unsplit grid fills a wave: on the H200 every
+    split of a full wave lost time to the partial writes and the reduce. Depends on the (padded) batch
+    size and head count alone, never on sequence lengths, so a captured CUDA graph stays valid for every
+    replay. A power of two because the count is a constexpr: each value is one more kernel build, and
+    eager steps mixing prefills and decodes have any batch size, so `slots // base` met a new value (a
+    build of seconds, mid-traffic) in many of them; powers of two are few, and graph capture builds them.
     """
     if config.num_splits is not None:
         return max(1, config.num_splits)
     slots = _num_sms(device) * config.programs_per_sm
     base = max(1, num_reqs * num_kv_heads)
-    return int(min(config.max_splits, max(1, slots // base)))
+    fits = int(min(config.max_splits, max(1, slots // base)))
+    return 1 << (fits.bit_length() - 1)
 
 
 def _default_prefill_config(
@@ -762,7 +772,7 @@ def paged_attention_triton(
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
             qk_scale, window, softcap_l2, head_dim, *common_strides, group, num_reqs,
             BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,
-            TILE_N=cfg.tile_n, SEARCH_BLOCK=min(1024, triton.next_power_of_2(num_reqs)), IS_FP32=is_fp32,
+            TILE_N=cfg.tile_n, SEARCH_BLOCK=PREFILL_SEARCH_BLOCK, IS_FP32=is_fp32,
             SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
