@@ -146,15 +146,18 @@ def run_bridge(llm: LLM, prompts: list[dict], output_lens: list[int], device: to
     # Sampled runs seed each request (seed = its index), so both paths draw the same tokens.
     params = [SamplingParams(max_tokens=o, temperature=temperature, ignore_eos=True,
                              seed=i if temperature > 0 else None) for i, o in enumerate(output_lens)]
+    compiles = getattr(llm, "kernel_compiles", None)
+    built_before = compiles.count if compiles else 0
     sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     sync(device)
     dt = time.perf_counter() - t0
+    built = (compiles.count if compiles else 0) - built_before
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(output_lens), "ignore_eos run produced fewer tokens than asked"
     assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
-    return {"tok_s": n_out / dt, "seconds": dt, "output_tokens": n_out,
+    return {"tok_s": n_out / dt, "seconds": dt, "output_tokens": n_out, "kernel_builds": built,
             "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
@@ -245,7 +248,9 @@ def run_paths(llm, name: str, prompts_of: dict[str, list[dict]], output_lens: li
         for path in order if rep % 2 == 0 else order[::-1]:
             res = run_bridge(llm, prompts_of[path], output_lens, device, temperature)
             label = "warm-up" if rep == 0 else f"run {rep}"
-            log(f"{name}: Bridge {path} path ({label}): {res['tok_s']:.0f} tok/s in {res['seconds']:.2f}s")
+            builds = f", {res['kernel_builds']} Triton builds" if res["kernel_builds"] else ""
+            log(f"{name}: Bridge {path} path ({label}): {res['tok_s']:.0f} tok/s in {res['seconds']:.2f}s"
+                + builds)
             if rep:
                 runs[path].append(res)
     return {p: median_run(r) for p, r in runs.items()}
