@@ -88,8 +88,6 @@ def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, log_
         cmd += ["--device", "cpu"]
     if args.ingest_workers is not None:
         cmd += ["--ingest-workers", str(args.ingest_workers), "--ingest-inline-bytes", "0"]
-    if args.arrival_decode_window is not None:
-        cmd += ["--arrival-decode-window", str(args.arrival_decode_window)]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     if args.cpu:
@@ -213,8 +211,6 @@ def main() -> int:
                     help="runs per client level, the best counts (offline: best of 2 after a warm-up)")
     ap.add_argument("--client-procs", type=int, default=None,
                     help="client processes the N streams are spread over (default min(8, CPUs/2))")
-    ap.add_argument("--arrival-decode-window", type=int, default=None,
-                    help="the server's --arrival-decode-window (32 = the full window: the A/B)")
     args = ap.parse_args()
     device, model_dir, dtype = bench_setup(args)
     clients = [int(c) for c in (args.clients or ("4,16,32" if args.cpu else "16,64,256")).split(",")]

@@ -301,22 +301,3 @@ def test_decode_window_stops_where_every_request_reaches_max_tokens():
     assert scheduler.decode_window_size(4, 1000) == 4
     assert scheduler.decode_window_size(32, 3 + 4 + 2) == 2  # the context limit still bounds it
 
-
-def test_step_max_window_caps_one_decode_window(model_dirs):
-    """`EngineCore.step(max_window=k)` (the server's cap while requests are arriving) runs at most k
-    window steps in that call, and later calls take the full window again."""
-    from runner.engine.request import Request
-
-    llm = LLM(model_dirs["qwen3"], dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4)
-    llm.runner.capture_cuda_graphs(emulate=True)
-    llm.decode_window = 8
-    core = llm.core
-    core.decode_window = 8
-    core.async_scheduling = False  # one step per call, so each call's tokens are its own
-    core.add_request(Request("r", 0, [11, 12, 13, 14], SamplingParams(max_tokens=30, temperature=0.0)))
-    made = [len(d.new_token_ids) for d in core.step()]  # the prefill: the first token
-    assert made == [1]
-    capped = core.step(max_window=2)
-    assert [len(d.new_token_ids) for d in capped] == [2]
-    full = core.step()
-    assert [len(d.new_token_ids) for d in full] == [8]

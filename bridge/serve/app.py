@@ -56,7 +56,6 @@ class ServerState:
     drain_timeout_s: float = 30.0
     ingest_workers: int = 0
     ingest_inline_bytes: int = 256 * 2**10
-    arrival_window: int = 4
     loop: EngineLoop | None = None
 
     def __post_init__(self) -> None:
@@ -65,9 +64,7 @@ class ServerState:
                           max_prompts=self.limits.max_prompts)
         self.body_parser = BodyParser(spec, workers=self.ingest_workers,
                                       inline_bytes=self.ingest_inline_bytes, metrics=self.metrics)
-        self.loop = EngineLoop(self.llm, max_pending=self.max_pending, metrics=self.metrics,
-                               arriving=lambda: self.body_parser.num_parsing > 0,
-                               arrival_window=self.arrival_window)
+        self.loop = EngineLoop(self.llm, max_pending=self.max_pending, metrics=self.metrics)
         self.token_text = TokenText(self.llm.tokenizer)
 
 

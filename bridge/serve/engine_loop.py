@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,13 +65,8 @@ class _TickResult:
 class EngineLoop:
     """Owns `llm.core` for the server's lifetime. `submit` / `abort` from handlers; `run` is the task."""
 
-    def __init__(self, llm: LLM, *, max_pending: int, metrics: ServeMetrics,
-                 arriving: Callable[[], bool] | None = None, arrival_window: int = 4) -> None:
-        """`arriving()`: whether requests are on their way in (bodies being parsed); while they are,
-        decode windows are capped at `arrival_window` steps so the requests join the batch sooner."""
+    def __init__(self, llm: LLM, *, max_pending: int, metrics: ServeMetrics) -> None:
         self.llm = llm
-        self.arriving = arriving
-        self.arrival_window = arrival_window
         self.core = llm.core
         self.processor = llm.processor
         self.max_model_len = llm.max_model_len
@@ -207,8 +202,7 @@ class EngineLoop:
         if self.core.has_unfinished():
             stepped = time.perf_counter()
             try:
-                incoming = self.arriving is not None and self.arriving()
-                deltas = self.core.step(max_window=self.arrival_window if incoming else None)
+                deltas = self.core.step()
                 self.num_steps += 1
                 self.metrics.step_seconds.observe(time.perf_counter() - stepped)
                 self._report_builds()

@@ -147,7 +147,6 @@ class BodyParser:
         self.workers = workers
         self.inline_bytes = inline_bytes
         self._pool: ProcessPoolExecutor | None = None
-        self.num_parsing = 0  # bodies in the pool now: requests on their way to the engine
 
     def _new_pool(self) -> ProcessPoolExecutor:
         # spawn: the server process holds CUDA state and threads that a fork would copy half-way
@@ -178,7 +177,6 @@ class BodyParser:
             return ParsedBody(json.loads(body), None)
         self._count("pool")
         loop = asyncio.get_running_loop()
-        self.num_parsing += 1
         try:
             kind, data, decoded = await loop.run_in_executor(self._pool, parse_in_worker, body, self.spec)
         except BrokenProcessPool:
@@ -187,8 +185,6 @@ class BodyParser:
             self.close()
             self._pool = self._new_pool()
             return ParsedBody(json.loads(body), None)
-        finally:
-            self.num_parsing -= 1
         if kind == "json_error":
             raise json.JSONDecodeError(data, "", decoded)
         return ParsedBody(data, None if decoded is None else [_rebuild(*d) for d in decoded])

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import signal
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,8 +111,7 @@ def load_server_state(args: argparse.Namespace) -> ServerState:
                        drain_timeout_s=args.shutdown_timeout,
                        ingest_workers=(default_workers(llm.device.type) if args.ingest_workers is None
                                        else args.ingest_workers),
-                       ingest_inline_bytes=args.ingest_inline_bytes,
-                       arrival_window=args.arrival_decode_window)
+                       ingest_inline_bytes=args.ingest_inline_bytes)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,9 +144,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch CPU threads in the server process (default: 1 with a GPU engine, "
                              "torch's default on the CPU)")
-    parser.add_argument("--arrival-decode-window", type=int, default=4,
-                        help="while bodies are being parsed, cap decode windows at this many steps so the "
-                             "arriving requests join the batch sooner (default 4)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
     engine = parser.add_argument_group("engine options (runner.LLM)")
@@ -189,10 +183,6 @@ def serve(args: argparse.Namespace) -> int:
     """Load the engine and serve until a signal; 0 on a clean shutdown."""
     import uvicorn
 
-    # The engine's thread and the event loop share the GIL; each time the engine's thread waits on
-    # the GPU it gives the lock up, and getting it back from a busy event loop took up to the
-    # default 5 ms switch interval (a convoy: seconds per step while 64 bodies were being read).
-    sys.setswitchinterval(float(os.environ.get("BRIDGE_SWITCH_INTERVAL", "0.0005")))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = load_server_state(args)

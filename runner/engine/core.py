@@ -80,7 +80,6 @@ class EngineCore:
             on_admit=self.runner.add_request, on_release=self.runner.remove_request,
         )
         self.decode_window = config.decode_window
-        self._window_cap: int | None = None  # this step's cap (step's max_window)
         self.async_scheduling = async_scheduling
         self.in_flight: LaunchedStep | None = None
         # Steps launched while the previous one was still on the device (async scheduling).
@@ -101,18 +100,13 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # ----------------------------------------------------------------------------- the step
-    def step(self, *, max_window: int | None = None) -> list[RequestDelta]:
+    def step(self) -> list[RequestDelta]:
         """Advance the engine by one step (or one decode window); the deltas of what it advanced.
-
-        `max_window` caps this call's decode window: a server that knows requests are on their way
-        in (bodies being parsed) takes short windows, so they join the batch after a few steps
-        rather than after a whole window.
 
         An encoder that fails on some items (raises, or returns NaN/Inf rows) fails only the
         requests holding those items: they finish with reason "error" and `Request.error` says
         which modality and what went wrong; the step runs again for the others on the next call.
         """
-        self._window_cap = max_window
         try:
             advanced = self._advance()
         except EncoderFailure as failure:
@@ -180,8 +174,7 @@ class EngineCore:
         scheduler, runner = self.scheduler, self.runner
         if not runner.graphs:
             return 1
-        window = self.decode_window if self._window_cap is None else min(self.decode_window, self._window_cap)
-        k = scheduler.decode_window_size(window, self.max_model_len)
+        k = scheduler.decode_window_size(self.decode_window, self.max_model_len)
         if k > 1 and self.mm.realtime and self.mm.has_pending_rows(scheduler.running):
             return 1  # decode windows skip the encoder-row gather
         return k if k > 1 and runner.can_replay(len(scheduler.running)) else 1
