@@ -282,6 +282,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-w2", action="store_true")
     ap.add_argument("--repeats", type=int, default=2,
                     help="W2 (and CPU): timed runs per path after one warm-up run (the median is reported)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                    help="Bridge's share of the GPU (0.85 leaves HF's baselines room in this process)")
     ap.add_argument("--w1-repeats", type=int, default=9,
                     help="W1: timed runs per path (each takes about half a second; the median is reported)")
     ap.add_argument("--hf-repeats", type=int, default=3,
@@ -313,7 +315,8 @@ def bridge_phase(args, model_dir, device, dtype, specs, embeds_of, single_embeds
     t0 = time.perf_counter()
     llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device,
               max_num_seqs=32 if args.cpu else 256, max_num_batched_tokens=2048 if args.cpu else 16384,
-              max_model_len=max(max_len, SINGLE_ROWS + 1) + 16, gpu_memory_utilization=0.85,
+              max_model_len=max(max_len, SINGLE_ROWS + 1) + 16,
+              gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, decode_window=args.decode_window,
               async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling])
     results["construction_seconds"] = results["bridge_init_seconds"] = time.perf_counter() - t0

@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import pathlib
+import shlex
 import signal
 import socket
 import subprocess
@@ -88,6 +89,7 @@ def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, log_
         cmd += ["--device", "cpu"]
     if args.ingest_workers is not None:
         cmd += ["--ingest-workers", str(args.ingest_workers), "--ingest-inline-bytes", "0"]
+    cmd += shlex.split(args.server_args)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     if args.cpu:
@@ -207,6 +209,8 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--ingest-workers", type=int, default=None,
                     help="the server's --ingest-workers (default: its own; 0 parses every body in-process)")
+    ap.add_argument("--server-args", default="",
+                    help="more `bridge serve` flags for an A/B, e.g. '--arrival-decode-window 32'")
     ap.add_argument("--server-runs", type=int, default=2,
                     help="runs per client level, the best counts (offline: best of 2 after a warm-up)")
     ap.add_argument("--client-procs", type=int, default=None,
@@ -240,7 +244,7 @@ def main() -> int:
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "model": "qwen3 tiny" if args.cpu else "Qwen3-0.6B-shaped (random bf16)",
                      "engine": settings, "client_encode_seconds_all": encode_s,
-                     "payload_bytes_each": len(payloads[0]), "levels": {}}
+                     "payload_bytes_each": len(payloads[0]), "server_args": args.server_args, "levels": {}}
 
     log("offline LLM.generate on the same requests")
     llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device, **settings)

@@ -226,16 +226,32 @@ def test_triton_prefill_finds_its_request_past_one_search_block():
     torch.testing.assert_close(out[:real], run_torch(batch)[:real], atol=2e-5, rtol=2e-5)
 
 
-def test_split_counts_are_powers_of_two_that_fit_one_wave():
+def test_split_counts_fill_one_wave_at_most():
     from runner.layers import paged_attention_triton as pat
 
     cfg = DecodeConfig(tile_n=16, num_warps=4, num_stages=1)
     slots = pat._num_sms(torch.device("cpu")) * cfg.programs_per_sm
     for num_reqs in range(1, 300):
         splits = pat.choose_num_splits(num_reqs, 8, torch.device("cpu"), cfg)
-        assert splits & (splits - 1) == 0 and 1 <= splits <= cfg.max_splits
+        assert 1 <= splits <= cfg.max_splits
         assert splits == 1 or num_reqs * 8 * splits <= slots  # one wave
-        assert 2 * splits > min(cfg.max_splits, max(1, slots // (num_reqs * 8)))  # the largest such
+        assert splits == min(cfg.max_splits, max(1, slots // (num_reqs * 8)))  # the most that fit
+
+
+def test_split_count_is_not_compiled_into_the_decode_kernels():
+    """The count is a runtime argument: a server's eager steps meet every batch size, and each new
+    constexpr value was a kernel build of seconds mid-traffic. Only split-or-not is compiled in."""
+    import inspect
+
+    from runner.layers import paged_attention_triton as pat
+
+    for kernel in (pat._decode_kernel, pat._decode_reduce_kernel):
+        assert "num_splits" in kernel.arg_names and "NUM_SPLITS" not in kernel.arg_names
+        # `@triton.jit(...)` keeps its options in `kwargs` under the interpreter (CI) and as an attribute
+        # when compiling; names or indices, by Triton version.
+        unspecialised = set(getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"])
+        assert unspecialised & {"num_splits", kernel.arg_names.index("num_splits")}
+    assert "SPLIT" in inspect.signature(pat._decode_kernel.fn).parameters
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -462,10 +478,10 @@ def build(fn, types, consts, aligned, **opts):
 bf16 = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
             seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", part_out_ptr="*fp32",
             part_lse_ptr="*fp32")
-for splits in (1, 4):
-    build(pat._decode_kernel, bf16, dict(UNIT, NUM_SPLITS=splits, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16,
+for split in (False, True):
+    build(pat._decode_kernel, bf16, dict(UNIT, SPLIT=split, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16,
           TILE_N=128, IS_FP32=False), COMMON, num_warps=4, num_stages=2)
-build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, NUM_SPLITS=3, SPLITS_PAD=4, HEAD_DIM=128), COMMON,
+build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, SPLITS_PAD=16, HEAD_DIM=128), COMMON,
       num_warps=2)
 build(pat._prefill_kernel, bf16, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, G_PAD=2,
       TILE_N=64, SEARCH_BLOCK=pat.PREFILL_SEARCH_BLOCK, IS_FP32=False), COMMON, num_warps=8, num_stages=3)

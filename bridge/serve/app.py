@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 import bridge
+from bridge.serve.arrivals import Arrivals
 from bridge.serve.chat import ChatRenderer
 from bridge.serve.engine_loop import EngineLoop
 from bridge.serve.errors import ApiError, bounded, install_error_handlers
@@ -56,6 +57,7 @@ class ServerState:
     drain_timeout_s: float = 30.0
     ingest_workers: int = 0
     ingest_inline_bytes: int = 256 * 2**10
+    arrival_decode_window: int | None = None
     loop: EngineLoop | None = None
 
     def __post_init__(self) -> None:
@@ -64,7 +66,10 @@ class ServerState:
                           max_prompts=self.limits.max_prompts)
         self.body_parser = BodyParser(spec, workers=self.ingest_workers,
                                       inline_bytes=self.ingest_inline_bytes, metrics=self.metrics)
-        self.loop = EngineLoop(self.llm, max_pending=self.max_pending, metrics=self.metrics)
+        self.arrivals = Arrivals()
+        self.metrics.arriving.set_function(lambda: self.arrivals.count)
+        self.loop = EngineLoop(self.llm, max_pending=self.max_pending, metrics=self.metrics,
+                               arrivals=self.arrivals, arrival_decode_window=self.arrival_decode_window)
         self.token_text = TokenText(self.llm.tokenizer)
 
 
@@ -159,7 +164,8 @@ def build_app(state: ServerState) -> Guards:
         await gen.collect(raw)
         return JSONResponse(gen.chat_response(top).model_dump())
 
-    return Guards(app, api_key=state.api_key, max_body_bytes=state.max_body_bytes, metrics=state.metrics)
+    return Guards(app, api_key=state.api_key, max_body_bytes=state.max_body_bytes, metrics=state.metrics,
+                  arrivals=state.arrivals)
 
 
 def _version() -> str:

@@ -19,12 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bridge.serve.arrivals import Arrivals, submitted
 from bridge.serve.metrics import EngineSnapshot, ServeMetrics
 from runner.llm import LLM
 from runner.outputs import RequestDelta
 from runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+DEFAULT_ARRIVAL_DECODE_WINDOW = 4
+"""Decode steps per window while requests are arriving: admission waits at most this many steps."""
 
 
 class QueueFull(Exception):
@@ -65,9 +70,15 @@ class _TickResult:
 class EngineLoop:
     """Owns `llm.core` for the server's lifetime. `submit` / `abort` from handlers; `run` is the task."""
 
-    def __init__(self, llm: LLM, *, max_pending: int, metrics: ServeMetrics) -> None:
+    def __init__(self, llm: LLM, *, max_pending: int, metrics: ServeMetrics, arrivals: Arrivals | None = None,
+                 arrival_decode_window: int | None = None) -> None:
         self.llm = llm
         self.core = llm.core
+        self.arrivals = arrivals or Arrivals()
+        # Decode windows while requests are on their way (see arrivals.py); the configured size otherwise.
+        self.full_decode_window = self.core.decode_window
+        self.arrival_decode_window = min(self.full_decode_window, DEFAULT_ARRIVAL_DECODE_WINDOW
+                                         if arrival_decode_window is None else max(1, arrival_decode_window))
         self.processor = llm.processor
         self.max_model_len = llm.max_model_len
         self.max_pending = max_pending
@@ -108,6 +119,7 @@ class EngineLoop:
         sub = Submission(prompts, params, ids, stream_text, future, check_context)
         with self._lock:
             self._submissions.append(sub)
+        submitted()
         self._wake_up()
         try:
             await future
@@ -200,6 +212,10 @@ class EngineLoop:
         deltas: list[RequestDelta] = []
         error = None
         if self.core.has_unfinished():
+            # Short windows while more requests are being received or parsed: they are admitted after
+            # a few steps rather than after a whole window.
+            arriving = self.arrivals.count > 0 or bool(self._submissions)
+            self.core.decode_window = self.arrival_decode_window if arriving else self.full_decode_window
             stepped = time.perf_counter()
             try:
                 deltas = self.core.step()

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from bridge.serve.arrivals import Arrivals
 from bridge.serve.metrics import ServeMetrics
 
 Scope = dict[str, Any]
@@ -56,8 +57,9 @@ class Guards:
     """Counts every response by route and status; checks the API key on /v1/*; caps the body."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int,
-                 metrics: ServeMetrics) -> None:
+                 metrics: ServeMetrics, arrivals: Arrivals | None = None) -> None:
         self.app = app
+        self.arrivals = arrivals or Arrivals()
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
@@ -103,6 +105,10 @@ class Guards:
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
+        with self.arrivals.arriving():
+            await self._with_body(scope, receive, send)
+
+    async def _with_body(self, scope: Scope, receive: Receive, send: Send) -> None:
         chunks, size = [], 0
         while True:
             message = await receive()

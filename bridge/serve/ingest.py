@@ -73,10 +73,10 @@ class ParsedBody:
 
 
 def default_workers(device_type: str) -> int:
-    """4 on a GPU server with 16+ cores (fewer with fewer cores); 0 on a CPU server."""
+    """Half the cores, up to 8, on a GPU server; 0 on a CPU server (there the engine needs the cores)."""
     if device_type != "cuda":
         return 0
-    return max(1, min(4, (os.cpu_count() or 2) // 4))
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 # ----------------------------------------------------------------------------- in the worker

@@ -87,6 +87,9 @@ class ServeMetrics:
         self.free_slots = Gauge("bridge:free_slots", "Free request slots", registry=r)
         self.total_slots = Gauge("bridge:total_slots", "Request slots (max_num_seqs)", registry=r)
         self.live = Gauge("bridge:num_requests_live", "Requests accepted and not yet finished", registry=r)
+        self.arriving = Gauge("bridge:num_requests_arriving",
+                              "POST requests received or being parsed, not yet submitted to the engine",
+                              registry=r)
         self.mm_items = Counter("bridge:encoder_cache_queries", "Media items in accepted requests",
                                 registry=r)
         self.mm_hits = Counter("bridge:encoder_cache_hits",

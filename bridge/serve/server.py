@@ -111,7 +111,8 @@ def load_server_state(args: argparse.Namespace) -> ServerState:
                        drain_timeout_s=args.shutdown_timeout,
                        ingest_workers=(default_workers(llm.device.type) if args.ingest_workers is None
                                        else args.ingest_workers),
-                       ingest_inline_bytes=args.ingest_inline_bytes)
+                       ingest_inline_bytes=args.ingest_inline_bytes,
+                       arrival_decode_window=args.arrival_decode_window)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,9 +139,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds running requests get to finish on SIGTERM before they are aborted")
     parser.add_argument("--ingest-workers", type=int, default=None,
                         help="processes that parse large JSON bodies and decode prompt_embeds payloads "
-                             "off the engine's process (default: 4 on a GPU with 16+ cores, 0 on the CPU)")
+                             "off the engine's process (default: half the cores up to 8 with a GPU, 0 on the "
+                             "CPU)")
     parser.add_argument("--ingest-inline-bytes", type=int, default=DEFAULT_INLINE_BYTES,
                         help="bodies up to this size are parsed in the server process (default 256 KiB)")
+    parser.add_argument("--arrival-decode-window", type=int, default=None,
+                        help="greedy decode steps per window while requests are being received or parsed "
+                             "(default 4; the engine's full window once they are in)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch CPU threads in the server process (default: 1 with a GPU engine, "
                              "torch's default on the CPU)")

@@ -296,7 +296,7 @@ def _attend_tile(
 # ----------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one build for every split count (see choose_num_splits)
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -328,7 +328,8 @@ def _decode_kernel(
     stride_od,
     num_q_heads,
     num_q_per_kv,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
+    SPLIT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -366,12 +367,12 @@ def _decode_kernel(
     first = 0
     if SLIDING:
         first = tl.maximum(seq_len - window, 0)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         lo = first
         hi = seq_len
     else:
         # Whole tiles per split so every split but the last starts on a tile boundary (from `first`).
-        chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), TILE_N) * TILE_N
+        chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), TILE_N) * TILE_N
         lo = first + split * chunk
         hi = tl.minimum(lo + chunk, seq_len)
     full_hi = lo + tl.maximum(hi - lo, 0) // TILE_N * TILE_N
@@ -398,20 +399,20 @@ def _decode_kernel(
 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(
             out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
             o.to(out_ptr.dtype.element_ty),
             mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
-        part = (req.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
+        part = (req.to(tl.int64) * num_q_heads + heads) * num_splits + split
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=g_mask)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -422,7 +423,7 @@ def _decode_reduce_kernel(
     stride_od,
     num_q_heads,
     head_dim,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
@@ -434,8 +435,8 @@ def _decode_reduce_kernel(
         return
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < NUM_SPLITS
-    base = (req.to(tl.int64) * num_q_heads + head) * NUM_SPLITS
+    s_mask = offs_s < num_splits
+    base = (req.to(tl.int64) * num_q_heads + head) * num_splits
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty (padding): weights 0
@@ -637,20 +638,19 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, config: DecodeConfig) -> int:
     """Split the key range only while (requests x KV heads) leaves resident-program slots idle.
 
-    The split count is the largest power of two that still fits one wave (a second, partly filled wave
-    costs more than the idle slots it fills), and 1 once the unsplit grid fills a wave: on the H200 every
-    split of a full wave lost time to the partial writes and the reduce. Depends on the (padded) batch
-    size and head count alone, never on sequence lengths, so a captured CUDA graph stays valid for every
-    replay. A power of two because the count is a constexpr: each value is one more kernel build, and
-    eager steps mixing prefills and decodes have any batch size, so `slots // base` met a new value (a
-    build of seconds, mid-traffic) in many of them; powers of two are few, and graph capture builds them.
+    The split count is the most that still fits one wave (a second, partly filled wave costs more than
+    the idle slots it fills), and 1 once the unsplit grid fills a wave: on the H200 every split of a
+    full wave lost time to the partial writes and the reduce. Depends on the (padded) batch size and
+    head count alone, never on sequence lengths, so a captured CUDA graph stays valid for every replay.
+    The count is a runtime argument of the kernels (only split-or-not is compiled in): eager steps that
+    mix prefills and decodes have any batch size, and a constexpr count built the kernel again, for
+    seconds, mid-traffic, whenever a server's batch met a new value.
     """
     if config.num_splits is not None:
         return max(1, config.num_splits)
     slots = _num_sms(device) * config.programs_per_sm
     base = max(1, num_reqs * num_kv_heads)
-    fits = int(min(config.max_splits, max(1, slots // base)))
-    return 1 << (fits.bit_length() - 1)
+    return int(min(config.max_splits, max(1, slots // base)))
 
 
 def _default_prefill_config(
@@ -751,14 +751,14 @@ def paged_attention_triton(
         _decode_kernel[(num_kv_heads, num_reqs, splits)](
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             out, part_out, part_lse, qk_scale, window, softcap_l2, head_dim, *common_strides, num_q_heads,
-            group, NUM_SPLITS=splits, BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_G=block_g,
+            group, splits, SPLIT=splits > 1, BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_G=block_g,
             TILE_N=cfg.tile_n, IS_FP32=is_fp32, SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
             _decode_reduce_kernel[(num_reqs, num_q_heads)](
                 part_out, part_lse, meta.query_start_loc, out, *out.stride(), num_q_heads, head_dim,
-                NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=d_pad,
+                splits, SPLITS_PAD=triton.next_power_of_2(max(splits, cfg.max_splits)), HEAD_DIM=d_pad,
                 num_warps=1 if head_dim <= 64 else 2,
             )  # fmt: skip
 

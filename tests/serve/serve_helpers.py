@@ -89,7 +89,7 @@ class ServerProcess:
         m = self.metrics()
         while time.monotonic() < deadline:
             m = self.metrics()
-            if (m["bridge:num_requests_live"] == 0
+            if (m["bridge:num_requests_live"] == 0 and m["bridge:num_requests_arriving"] == 0
                     and m["bridge:kv_free_blocks"] == m["bridge:kv_total_blocks"]
                     and m["bridge:free_slots"] == m["bridge:total_slots"]):
                 return m

@@ -25,4 +25,4 @@ def test_torch_threads_one_on_a_gpu_server_default_on_cpu_and_as_told():
 
 def test_ingest_pool_only_by_default_on_a_gpu_server():
     assert default_workers("cpu") == 0
-    assert 1 <= default_workers("cuda") <= 4
+    assert 1 <= default_workers("cuda") <= 8
