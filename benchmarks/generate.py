@@ -248,7 +248,11 @@ def run_paths(llm, name: str, prompts_of: dict[str, list[dict]], output_lens: li
         for path in order if rep % 2 == 0 else order[::-1]:
             res = run_bridge(llm, prompts_of[path], output_lens, device, temperature)
             label = "warm-up" if rep == 0 else f"run {rep}"
-            builds = f", {res['kernel_builds']} Triton builds" if res["kernel_builds"] else ""
+            builds = ""
+            if res["kernel_builds"]:
+                recent = getattr(getattr(llm, "kernel_compiles", None), "recent", [])
+                names = ", ".join(n.split(" ", 1)[0] for n, _ in recent[-res["kernel_builds"]:])
+                builds = f", {res['kernel_builds']} Triton builds ({names})"
             log(f"{name}: Bridge {path} path ({label}): {res['tok_s']:.0f} tok/s in {res['seconds']:.2f}s"
                 + builds)
             if rep:

@@ -12,7 +12,9 @@ each step: that is the engine's continuous batching.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -27,6 +29,10 @@ from runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
+TICK_TRACE_ENV = "BRIDGE_TICK_TRACE"
+"""A file to append one JSON line per engine tick to (`time.monotonic()` clock, comparable across
+processes): what was admitted, the window, the step's time, the batch after it. For benchmarks."""
 
 DEFAULT_ARRIVAL_DECODE_WINDOW = 4
 """Decode steps per window while requests are arriving: admission waits at most this many steps."""
@@ -96,6 +102,8 @@ class EngineLoop:
         self.num_aborted = 0
         compiles = getattr(llm, "kernel_compiles", None)
         self._builds_seen = compiles.count if compiles is not None else 0
+        trace = os.environ.get(TICK_TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in stop()
 
     # ----------------------------------------------------------------------------- handlers' side
     @property
@@ -173,6 +181,7 @@ class EngineLoop:
     def _tick(self, subs: list[Submission], aborts: list[str]) -> _TickResult:
         """Runs in a worker thread; the only code that touches the core."""
         started = time.perf_counter()
+        tick_start = time.monotonic()
         added: list[tuple[Submission, BaseException | None]] = []
         items = hits = 0
         seen: set[str] = set()
@@ -211,6 +220,8 @@ class EngineLoop:
             self.metrics.tick_admit_seconds.observe(time.perf_counter() - started)
         deltas: list[RequestDelta] = []
         error = None
+        admitted = time.perf_counter() - started
+        step_s = 0.0
         if self.core.has_unfinished():
             # Short windows while more requests are being received or parsed: they are admitted after
             # a few steps rather than after a whole window.
@@ -220,7 +231,8 @@ class EngineLoop:
             try:
                 deltas = self.core.step()
                 self.num_steps += 1
-                self.metrics.step_seconds.observe(time.perf_counter() - stepped)
+                step_s = time.perf_counter() - stepped
+                self.metrics.step_seconds.observe(step_s)
                 self._report_builds()
             except Exception as exc:  # noqa: BLE001 - the loop must survive; its requests are aborted
                 logger.exception("engine step failed; aborting its requests")
@@ -228,6 +240,14 @@ class EngineLoop:
                 for rid in list(self.core.scheduler.requests):
                     self.core.abort(rid)
                 self.core.in_flight = None
+        if self._trace is not None:
+            s, compiles = self.core.scheduler, getattr(self.llm, "kernel_compiles", None)
+            self._trace.write(json.dumps({
+                "t": tick_start, "admit_s": admitted, "step_s": step_s, "subs": len(subs),
+                "prompts": sum(len(sub.ids) for sub in subs), "arriving": self.arrivals.count,
+                "window": self.core.decode_window, "running": len(s.running), "waiting": len(s.waiting),
+                "deltas": len(deltas), "finished": sum(d.finished for d in deltas),
+                "builds": compiles.count if compiles is not None else 0}) + "\n")
         return _TickResult(added, deltas, self._snapshot(), error, items, hits)
 
     def _report_builds(self) -> None:
@@ -320,3 +340,6 @@ class EngineLoop:
                 await asyncio.wait_for(self._task, timeout=max(5.0, timeout))
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
