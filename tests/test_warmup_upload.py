@@ -61,6 +61,31 @@ def test_warm_up_leaves_nothing_in_the_prefix_cache(model_dir, one_cpu_thread):
     llm.shutdown()
 
 
+def test_serving_warm_up_prefills_every_query_length_class_and_leaves_no_trace(model_dir, one_cpu_thread):
+    """The server's extra warm-up: one step per power of two of the longest query (the prefill
+    kernel's compile-time row block), embeds and ids; forgotten like the construction warm-up."""
+    from runner.engine.warmup import SERVING_PROMPT_LENGTHS, warm_up_serving
+
+    llm = LLM(model_dir, enable_prompt_embeds=True, num_kv_blocks=64, warmup=False)
+    fresh = _counters(llm)
+    seen: list[int] = []
+    runner = llm.core.runner
+    launch = runner.launch
+
+    def spy(so, *args, **kwargs):
+        seen.append(max(so.num_scheduled_tokens))
+        return launch(so, *args, **kwargs)
+
+    runner.launch = spy
+    assert warm_up_serving(llm) > 0
+    runner.launch = launch
+    classes = {1 << (n - 1).bit_length() for n in seen if n > 1}
+    assert classes == {1 << (n - 1).bit_length() for n in SERVING_PROMPT_LENGTHS}
+    assert _counters(llm) == fresh
+    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    llm.shutdown()
+
+
 def test_warm_up_is_off_on_the_cpu_by_default(model_dir, one_cpu_thread):
     llm = LLM(model_dir, num_kv_blocks=32)
     assert llm.engine_config.warmup is False and llm.warmup_seconds == 0.0

@@ -25,6 +25,7 @@ from bridge.serve.ingest import DEFAULT_INLINE_BYTES, default_workers
 from bridge.serve.inputs import ServeLimits
 from bridge.serve.metrics import ServeMetrics
 from bridge.wire import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
+from runner.engine.warmup import warm_up_serving
 from runner.llm import LLM
 
 logger = logging.getLogger("bridge.serve")
@@ -96,6 +97,12 @@ def load_server_state(args: argparse.Namespace) -> ServerState:
     model = resolve_model(args.path)
     llm = build_llm(model, args)
     set_torch_threads(args, llm.device.type)
+    if llm.device.type == "cuda":  # the kernels a server's bursts meet, built before the first one
+        compiles = getattr(llm, "kernel_compiles", None)
+        before = compiles.count if compiles is not None else 0
+        seconds = warm_up_serving(llm)
+        built = (compiles.count - before) if compiles is not None else 0
+        logger.info("serving warm-up: %.2f s, %d Triton kernels built", seconds, built)
     limits = ServeLimits(max_prompts=args.max_prompts_per_request, max_n=args.max_n,
                          max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
                          enable_prompt_embeds=args.enable_prompt_embeds)

@@ -297,20 +297,20 @@ class ModelRunner:
         if n_logits:
             h64[o64[3] : o64[4]] = logit_rows
         self.num_computed_by_slot[slots] = nc
-        h32[o32[0] : o32[1]] = self.num_computed_by_slot
+        h32[o32[0] : o32[0] + len(self.num_computed_by_slot)] = self.num_computed_by_slot
         h32[o32[1]] = 0
         h32[o32[1] + 1 : o32[1] + 1 + r] = cu
         h32[o32[2] : o32[2] + r] = seq_lens
         h32[o32[3] : o32[3] + r] = slots
         h32[o32[4] : o32[4] + r * w] = self.block_table[slots, :w].reshape(-1)
         if bucket and bucket > r:  # padding rows: no KV write, no context, one query row each
-            h64[o64[0] + t : o64[1]] = 0
-            h64[o64[1] + t : o64[2]] = 0
-            h64[o64[2] + t : o64[3]] = -1
-            h32[o32[1] + 1 + r : o32[2]] = np.arange(t + 1, bucket + 1)
-            h32[o32[2] + r : o32[3]] = 0
-            h32[o32[3] + r : o32[4]] = 0
-            h32[o32[4] + r * w : o32[5]] = 0
+            h64[o64[0] + t : o64[0] + tp] = 0
+            h64[o64[1] + t : o64[1] + tp] = 0
+            h64[o64[2] + t : o64[2] + tp] = -1
+            h32[o32[1] + 1 + r : o32[1] + 1 + rp] = np.arange(t + 1, bucket + 1)
+            h32[o32[2] + r : o32[2] + rp] = 0
+            h32[o32[3] + r : o32[3] + rp] = 0
+            h32[o32[4] + r * w : o32[4] + rp * w] = 0
         st.upload(tp, rp, w, n_logits)
         v = st.views(st.dev64, st.dev32, tp, rp, w, n_logits)
         return StagedStep(v, t, r, bucket, nsched, cu, seq_lens, single_token, decode_only, sample_rows,

@@ -13,6 +13,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+_ALIGN64 = 2  # int64 elements per 16 bytes
+_ALIGN32 = 4  # int32 elements per 16 bytes
+
+
+def _starts(lengths: list[int], align: int) -> list[int]:
+    """Each view's start, rounded up to `align` elements, and then the end of the last view."""
+    starts, at = [], 0
+    for n in lengths:
+        at = -(-at // align) * align
+        starts.append(at)
+        at += n
+    return [*starts, at]
+
 
 @dataclass
 class StepViews:
@@ -36,7 +49,10 @@ class StagingBuffers:
       int64: [input_ids t][positions t][slot_mapping t][logits_indices l]
       int32: [num_computed_by_slot S][query_start_loc r+1][seq_lens r][idx_mapping r][block_tables r*w]
     Offsets depend only on (t, r, w), so the views a CUDA graph captured for a bucket are the views
-    every replay of that bucket writes.
+    every replay of that bucket writes. Every view starts on a 16-byte boundary: Triton specialises a
+    kernel on whether each pointer argument is 16-byte aligned, so views packed back to back gave the
+    attention, KV-write and rotary kernels a new specialisation (a build of up to a second, mid-step)
+    for each parity of `t` and residue of `r` mod 4 that the warm-up had not met; a server meets them all.
 
     On a GPU there are two pinned host pairs, used in turn (`next_host`): under async scheduling
     step n+1 is staged while step n's upload may still be queued behind step n-1 on the device,
@@ -49,8 +65,8 @@ class StagingBuffers:
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
         self.device = device
         pin = device.type == "cuda"
-        n64 = 4 * max_tokens
-        n32 = max_reqs + (max_reqs + 1) + 2 * max_reqs + max_reqs * max_blocks
+        n64 = 4 * max_tokens + 4 * _ALIGN64  # room for the padding between views
+        n32 = max_reqs + (max_reqs + 1) + 2 * max_reqs + max_reqs * max_blocks + 5 * _ALIGN32
         pairs = 2 if pin else 1
         self._hosts = [(torch.zeros(n64, dtype=torch.int64, pin_memory=pin),
                         torch.zeros(n32, dtype=torch.int32, pin_memory=pin)) for _ in range(pairs)]
@@ -92,24 +108,24 @@ class StagingBuffers:
         self.np32 = self.host32.numpy()
 
     def offsets(self, t: int, r: int, w: int, n_logits: int) -> tuple[list[int], list[int]]:
-        o64 = [0, t, 2 * t, 3 * t, 3 * t + n_logits]
-        s = self.max_reqs
-        o32 = [0, s, s + r + 1, s + 2 * r + 1, s + 3 * r + 1, s + 3 * r + 1 + r * w]
+        """Start of each view (each on a 16-byte boundary), then the end of the last one."""
+        o64 = _starts([t, t, t, n_logits], _ALIGN64)
+        o32 = _starts([self.max_reqs, r + 1, r, r, r * w], _ALIGN32)
         return o64, o32
 
     def views(self, buf64: torch.Tensor, buf32: torch.Tensor, t: int, r: int, w: int,
               n_logits: int) -> StepViews:
         o64, o32 = self.offsets(t, r, w, n_logits)
         return StepViews(
-            input_ids=buf64[o64[0] : o64[1]],
-            positions=buf64[o64[1] : o64[2]],
-            slot_mapping=buf64[o64[2] : o64[3]],
-            logits_indices=buf64[o64[3] : o64[4]],
-            num_computed_by_slot=buf32[o32[0] : o32[1]],
-            query_start_loc=buf32[o32[1] : o32[2]],
-            seq_lens=buf32[o32[2] : o32[3]],
-            idx_mapping=buf32[o32[3] : o32[4]],
-            block_tables=buf32[o32[4] : o32[5]].view(r, w),
+            input_ids=buf64[o64[0] : o64[0] + t],
+            positions=buf64[o64[1] : o64[1] + t],
+            slot_mapping=buf64[o64[2] : o64[2] + t],
+            logits_indices=buf64[o64[3] : o64[3] + n_logits],
+            num_computed_by_slot=buf32[o32[0] : o32[0] + self.max_reqs],
+            query_start_loc=buf32[o32[1] : o32[1] + r + 1],
+            seq_lens=buf32[o32[2] : o32[2] + r],
+            idx_mapping=buf32[o32[3] : o32[3] + r],
+            block_tables=buf32[o32[4] : o32[4] + r * w].view(r, w),
         )
 
     def upload(self, t: int, r: int, w: int, n_logits: int) -> None:
