@@ -130,6 +130,42 @@ def test_gpu_uploader_round_trips_in_chunks_and_bounds_its_memory():
 
 
 @pytest.mark.gpu
+def test_gpu_upload_rows_packs_a_call_through_the_ring_and_checks_each_source():
+    """A call's host prompts as one upload: sources cross ring chunks and chunk edges, an empty one in
+    between; each verdict is its own source's; the views equal one-by-one uploads."""
+    from runner.engine.prompts import stage_embeds
+
+    up = HostUploader(torch.device("cuda"), ring_bytes=1 << 16, keep_bytes=1 << 22)
+    g = torch.Generator().manual_seed(2)
+    srcs = [torch.randn(n, 64, generator=g, dtype=torch.float64) for n in (3, 700, 0, 1, 90)]
+    srcs[3][0, 5] = 1e39  # finite in float64, Inf in bfloat16
+    srcs[4][89, 63] = float("nan")  # the very last value of the call
+    whole, views, ok = up.upload_rows(srcs, torch.bfloat16)
+    assert up.read_flag_tensor(ok) == [True, True, True, False, False]
+    assert whole.dtype == torch.bfloat16 and whole.shape == (794, 64)
+    for src, view in zip(srcs[:3], views[:3]):
+        assert view.shape == src.shape and torch.equal(view.cpu(), src.to(torch.bfloat16))
+        assert view.data_ptr() % 16 == 0
+
+    class Parsed:  # the two fields stage_embeds reads and writes
+        def __init__(self, embeds):
+            self.embeds = embeds
+
+    good = [Parsed(torch.randn(n, 64, generator=g)) for n in (5, 600, 33)]
+    host = [p.embeds for p in good]
+    stage_embeds(good, torch.bfloat16, up, keep=True)
+    for staged, h in zip(good, host):
+        assert staged.embeds.is_cuda and torch.equal(staged.embeds.cpu(), h.to(torch.bfloat16))
+    assert up.kept_bytes == 638 * 64 * 2  # one charge for the call's tensor
+    bad = [Parsed(torch.randn(4, 64, generator=g)), Parsed(torch.full((2, 64), float("inf")))]
+    with pytest.raises(ValueError, match="prompt 1: prompt_embeds contains NaN or Inf"):
+        stage_embeds(bad, torch.bfloat16, up, keep=True)
+    del good, staged
+    gc.collect()
+    assert up.kept_bytes == 0  # given back once the last view is gone
+
+
+@pytest.mark.gpu
 def test_gpu_cpu_tensor_embeds_match_device_embeds_and_ids(model_dir):
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (40, 7, 200)]  # context 256

@@ -78,6 +78,8 @@ def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: H
     its host tensor while the uploader's keep budget allows, so admission uploads nothing; the others
     are uploaded again (asynchronously) when admitted.
     """
+    if keep and _stage_as_one(parsed, dtype, uploader):
+        return
     flags, where = [], []
     for i, p in enumerate(parsed):
         if p.embeds is None:
@@ -89,6 +91,28 @@ def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: H
             p.embeds = rows
     bad = [i for i, ok in zip(where, uploader.read_flags(flags)) if not ok]
     _refuse_not_finite(bad, dtype)
+
+
+def _stage_as_one(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader) -> bool:
+    """`stage_embeds` for a call whose embeds are all host tensors of one dtype and fit the keep budget
+    together: one `upload_rows` for all of them (see there); False (nothing done) otherwise."""
+    where = [i for i, p in enumerate(parsed) if p.embeds is not None]
+    if len(where) < 2:
+        return False
+    srcs = [parsed[i].embeds for i in where]
+    if any(t.device.type != "cpu" or t.dtype != srcs[0].dtype or t.dim() != 2 for t in srcs):
+        return False
+    if srcs[0].shape[1] * dtype.itemsize % 16:  # each view must start 16-byte aligned (the overlay's)
+        return False
+    nbytes = sum(t.shape[0] for t in srcs) * srcs[0].shape[1] * dtype.itemsize
+    if uploader.kept_bytes + nbytes > uploader.keep_bytes:
+        return False
+    whole, views, ok = uploader.upload_rows(srcs, dtype)
+    _refuse_not_finite([i for i, fits in zip(where, uploader.read_flag_tensor(ok)) if not fits], dtype)
+    uploader.keep(whole)  # charged once; given back when the last prompt's view is freed
+    for i, view in zip(where, views):
+        parsed[i].embeds = view
+    return True
 
 
 class PromptProcessor:

@@ -65,7 +65,8 @@ def check_dense_tensor(tensor: torch.Tensor, where: str) -> None:
         raise ValueError(f"{where} is a meta tensor: it has no data")
 
 
-def _limit(tensor_dtype: torch.dtype, dtype: torch.dtype | None) -> float:
+def limit_for(tensor_dtype: torch.dtype, dtype: torch.dtype | None) -> float:
+    """The largest magnitude a `tensor_dtype` value may have to stay finite in `dtype` too."""
     limit = torch.finfo(tensor_dtype).max
     if dtype is not None and dtype.is_floating_point:
         limit = min(limit, torch.finfo(dtype).max)
@@ -83,7 +84,7 @@ def fits_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if tensor.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=tensor.device)
     lo, hi = torch.aminmax(tensor)
-    limit = _limit(tensor.dtype, dtype)
+    limit = limit_for(tensor.dtype, dtype)
     return (lo >= -limit) & (hi <= limit)
 
 
@@ -103,7 +104,7 @@ def tensors_fit_dtype(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None
     by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
     for (device, tensor_dtype), index in groups.items():
         ends = [torch.aminmax(tensors[k]) for k in index]
-        limit = _limit(tensor_dtype, dtype)
+        limit = limit_for(tensor_dtype, dtype)
         ok = (torch.stack([lo for lo, _ in ends]) >= -limit) & (torch.stack([hi for _, hi in ends]) <= limit)
         by_device.setdefault(device, []).append((index, ok))
     for parts in by_device.values():
