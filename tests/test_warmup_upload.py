@@ -147,6 +147,13 @@ def test_gpu_upload_rows_packs_a_call_through_the_ring_and_checks_each_source():
         assert view.shape == src.shape and torch.equal(view.cpu(), src.to(torch.bfloat16))
         assert view.data_ptr() % 16 == 0
 
+    # A large chunk is filled by several threads (pieces of up to 1 MiB, across source boundaries).
+    big = HostUploader(torch.device("cuda"), ring_bytes=64 << 20)
+    large = [torch.randn(n, 1024, generator=g) for n in (1500, 1, 2600)]  # ~16 MiB in one ring chunk
+    whole, views, ok = big.upload_rows(large, torch.float32)
+    assert big.read_flag_tensor(ok) == [True] * 3
+    assert all(torch.equal(view.cpu(), src) for view, src in zip(views, large))
+
     class Parsed:  # the two fields stage_embeds reads and writes
         def __init__(self, embeds):
             self.embeds = embeds

@@ -23,8 +23,10 @@ On a CPU device the uploader makes a plain owned copy (the checks run on the CPU
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -36,6 +38,11 @@ DEFAULT_RING_BYTES = 64 << 20
 #: admission (beyond it, a prompt's rows stay on the host and are uploaded when it is admitted)
 DEFAULT_KEEP_BYTES = 256 << 20
 _ALIGN = 256
+#: host threads that fill a large ring chunk together, the size that makes a chunk large, and the
+#: largest piece one thread copies at a time
+COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+PARALLEL_COPY_BYTES = 4 << 20
+PIECE_BYTES = 1 << 20
 
 
 class HostUploader:
@@ -51,6 +58,7 @@ class HostUploader:
         self._head = 0
         self._pending: deque = deque()  # (start, end, event) of copies that may still read the ring
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pool: ThreadPoolExecutor | None = None  # memcpy threads of `upload_rows` (on first use)
         self.num_uploads = 0
         self.bytes_uploaded = 0
         self.keep_bytes = int(keep_bytes)
@@ -185,28 +193,45 @@ class HostUploader:
 
     def _copy_many_in(self, srcs: list[torch.Tensor], dst: torch.Tensor) -> None:
         """Copy the host tensors `srcs`, back to back, into `dst` (device, contiguous) through the ring:
-        each ring chunk gathers the pieces of every source it covers, then one device copy moves it."""
+        each ring chunk gathers the pieces of every source it covers (over `COPY_THREADS` threads once
+        the chunk is large: one thread's memcpy is a fraction of the host's memory bandwidth, and numpy
+        releases the GIL while it copies), then one device copy moves the chunk."""
         dst_bytes = dst.reshape(-1).view(torch.uint8)
         pieces = [s.reshape(-1).view(torch.uint8).numpy() for s in srcs]
         chunk = self.ring_bytes // 4
+
+        def fill(job: tuple[int, int, int, int]) -> None:
+            start, src, first, length = job
+            self._ring_np[start : start + length] = pieces[src][first : first + length]
+
         k, offset, at = 0, 0, 0  # source index, offset inside it, bytes of dst written
         total = dst_bytes.numel()
         while at < total:
             n = min(chunk, total - at)
             lo = self._reserve(n)
-            filled = 0
+            jobs, filled = [], 0  # (ring offset, source, start, length), at most PIECE_BYTES each
             while filled < n:
                 while offset == pieces[k].size:  # empty sources, or the end of one
                     k, offset = k + 1, 0
-                take = min(n - filled, pieces[k].size - offset)
-                self._ring_np[lo + filled : lo + filled + take] = pieces[k][offset : offset + take]
+                take = min(n - filled, pieces[k].size - offset, PIECE_BYTES)
+                jobs.append((lo + filled, k, offset, take))
                 filled, offset = filled + take, offset + take
+            if len(jobs) > 1 and n >= PARALLEL_COPY_BYTES and COPY_THREADS > 1:
+                list(self._copy_pool().map(fill, jobs))
+            else:
+                for job in jobs:
+                    fill(job)
             dst_bytes[at : at + n].copy_(self._ring[lo : lo + n], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
             self._pending.append((lo, lo + n, event))
             self.bytes_uploaded += n
             at += n
+
+    def _copy_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="bridge-upload")
+        return self._pool
 
     def _reserve(self, n: int) -> int:
         """The start of a free ring region of `n` bytes, waiting for the copies still reading it."""
