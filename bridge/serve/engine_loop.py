@@ -80,6 +80,7 @@ class EngineLoop:
                  arrival_decode_window: int | None = None) -> None:
         self.llm = llm
         self.core = llm.core
+        self._compiles = llm.kernel_compiles  # None off CUDA, or without Triton's hooks
         self.arrivals = arrivals or Arrivals()
         # Decode windows while requests are on their way (see arrivals.py); the configured size otherwise.
         self.full_decode_window = self.core.decode_window
@@ -100,8 +101,7 @@ class EngineLoop:
         self.snapshot = self._snapshot()
         self.num_steps = 0
         self.num_aborted = 0
-        compiles = getattr(llm, "kernel_compiles", None)
-        self._builds_seen = compiles.count if compiles is not None else 0
+        self._builds_seen = self._compiles.count if self._compiles is not None else 0
         trace = os.environ.get(TICK_TRACE_ENV)
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in stop()
 
@@ -216,11 +216,11 @@ class EngineLoop:
             if self.core.abort(rid) is not None:
                 self.num_aborted += 1
                 self.metrics.aborted.inc()
+        admitted = time.perf_counter() - started
         if subs:
-            self.metrics.tick_admit_seconds.observe(time.perf_counter() - started)
+            self.metrics.tick_admit_seconds.observe(admitted)
         deltas: list[RequestDelta] = []
         error = None
-        admitted = time.perf_counter() - started
         step_s = 0.0
         if self.core.has_unfinished():
             # Short windows while more requests are being received or parsed: they are admitted after
@@ -241,7 +241,7 @@ class EngineLoop:
                     self.core.abort(rid)
                 self.core.in_flight = None
         if self._trace is not None:
-            s, compiles = self.core.scheduler, getattr(self.llm, "kernel_compiles", None)
+            s, compiles = self.core.scheduler, self._compiles
             self._trace.write(json.dumps({
                 "t": tick_start, "admit_s": admitted, "step_s": step_s, "subs": len(subs),
                 "prompts": sum(len(sub.ids) for sub in subs), "arriving": self.arrivals.count,
@@ -253,7 +253,7 @@ class EngineLoop:
     def _report_builds(self) -> None:
         """Log the Triton kernels a step built: the step's requests waited for them (the warm-up
         missed a specialisation; `bridge:kernel_compiles` counts them)."""
-        compiles = getattr(self.llm, "kernel_compiles", None)
+        compiles = self._compiles
         if compiles is None or compiles.count <= self._builds_seen:
             return
         new = compiles.count - self._builds_seen
@@ -274,8 +274,7 @@ class EngineLoop:
         self._live.clear()
 
     def _snapshot(self) -> EngineSnapshot:
-        s, cache = self.core.scheduler, self.llm.mm.cache
-        compiles = getattr(self.llm, "kernel_compiles", None)
+        s, cache, compiles = self.core.scheduler, self.llm.mm.cache, self._compiles
         return EngineSnapshot(
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_free_blocks=self.core.block_manager.num_free_blocks,

@@ -98,7 +98,7 @@ def load_server_state(args: argparse.Namespace) -> ServerState:
     llm = build_llm(model, args)
     set_torch_threads(args, llm.device.type)
     if llm.device.type == "cuda":  # the kernels a server's bursts meet, built before the first one
-        compiles = getattr(llm, "kernel_compiles", None)
+        compiles = llm.kernel_compiles
         before = compiles.count if compiles is not None else 0
         seconds = warm_up_serving(llm)
         built = (compiles.count - before) if compiles is not None else 0

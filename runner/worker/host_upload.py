@@ -23,6 +23,7 @@ On a CPU device the uploader makes a plain owned copy (the checks run on the CPU
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections import deque
@@ -91,7 +92,7 @@ class HostUploader:
         src = src.contiguous()
         with torch.cuda.stream(self._stream):
             staged = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            self._copy_in(src, staged)
+            self._copy_many_in([src], staged)
             ok = fits_dtype(staged, dtype) if check_fits else None
             out = staged if src.dtype == dtype else staged.to(dtype)
             done = torch.cuda.Event()
@@ -114,8 +115,8 @@ class HostUploader:
         consumer = torch.cuda.current_stream(self.device)
         srcs = [s.detach().contiguous() for s in srcs]
         hidden, src_dtype = srcs[0].shape[1], srcs[0].dtype
-        rows = [s.shape[0] for s in srcs]
-        total = sum(rows)
+        starts = [0, *itertools.accumulate(s.shape[0] for s in srcs)]  # row bounds; the last is the total
+        total = starts[-1]
         self.num_uploads += len(srcs)
         with torch.cuda.stream(self._stream):
             flat = torch.empty((total, hidden), dtype=src_dtype, device=self.device)
@@ -124,15 +125,13 @@ class HostUploader:
             limit = limit_for(src_dtype, dtype)
             row_bad = ~((lo >= -limit) & (hi <= limit))  # NaN propagates to both ends and fails
             bad_before = torch.nn.functional.pad(row_bad.to(torch.int32).cumsum(0), (1, 0))
-            ends = torch.tensor(rows, dtype=torch.int64).cumsum(0)
-            bounds = torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(self.device, non_blocking=True)
+            bounds = torch.tensor(starts, dtype=torch.int64).to(self.device, non_blocking=True)
             ok = (bad_before[bounds[1:]] - bad_before[bounds[:-1]]) == 0  # no bad row in the span
             out = flat if src_dtype == dtype else flat.to(dtype)
             done = torch.cuda.Event()
             done.record(self._stream)
         consumer.wait_event(done)
         out.record_stream(consumer)
-        starts = [0, *ends.tolist()]
         return out, [out[a:b] for a, b in zip(starts[:-1], starts[1:])], ok
 
     @property
@@ -160,42 +159,24 @@ class HostUploader:
             return []
         if not self.cuda or flags[0].device.type != "cuda":
             return [bool(f) for f in flags]
-        with torch.cuda.stream(self._stream):  # every flag was made on this stream
-            return torch.stack(flags).cpu().tolist()
+        return self.read_flag_tensor(torch.stack(flags))
 
     def read_flag_tensor(self, flags: torch.Tensor) -> list[bool]:
-        """`upload_rows`'s verdicts as bools, waiting for the copy stream only."""
+        """Device bools made on the copy stream (`upload_rows`'s verdicts) as bools, waiting for that
+        stream only."""
         with torch.cuda.stream(self._stream):
             return flags.cpu().tolist()
 
     # ----------------------------------------------------------------------------- the ring
-    def _copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy `src` (host, contiguous) into `dst` (device, same shape and dtype) through the ring,
-        on the current (the uploader's) stream."""
-        src_bytes = src.reshape(-1).view(torch.uint8)
-        src_np = src_bytes.numpy()
-        dst_bytes = dst.reshape(-1).view(torch.uint8)
-        chunk = self.ring_bytes // 4
-        for start in range(0, src_bytes.numel(), chunk):
-            n = min(chunk, src_bytes.numel() - start)
-            lo = self._reserve(n)
-            staging = self._ring[lo : lo + n]
-            # One plain memcpy on this thread (numpy), not torch's OpenMP-parallel copy: a 1 MiB
-            # copy gains nothing from threads, and an OpenMP barrier waits for every thread, which
-            # costs milliseconds when other processes keep the cores busy (the suspected cause of
-            # slow host copies in runs that shared the host with a second benchmark).
-            self._ring_np[lo : lo + n] = src_np[start : start + n]
-            dst_bytes[start : start + n].copy_(staging, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            self._pending.append((lo, lo + n, event))
-            self.bytes_uploaded += n
-
     def _copy_many_in(self, srcs: list[torch.Tensor], dst: torch.Tensor) -> None:
-        """Copy the host tensors `srcs`, back to back, into `dst` (device, contiguous) through the ring:
-        each ring chunk gathers the pieces of every source it covers (over `COPY_THREADS` threads once
-        the chunk is large: one thread's memcpy is a fraction of the host's memory bandwidth, and numpy
-        releases the GIL while it copies), then one device copy moves the chunk."""
+        """Copy the host tensors `srcs`, back to back, into `dst` (device, contiguous) through the ring,
+        on the current (the uploader's) stream: each ring chunk gathers the pieces of every source it
+        covers, then one device copy moves the chunk.
+
+        The pieces are plain numpy memcpys (numpy releases the GIL while it copies), not torch's
+        OpenMP-parallel copy, whose barrier waits for every thread and cost milliseconds when other
+        processes kept the cores busy. A chunk of `PARALLEL_COPY_BYTES` or more is filled by
+        `COPY_THREADS` threads: one thread's memcpy is a fraction of the host's memory bandwidth."""
         dst_bytes = dst.reshape(-1).view(torch.uint8)
         pieces = [s.reshape(-1).view(torch.uint8).numpy() for s in srcs]
         chunk = self.ring_bytes // 4
