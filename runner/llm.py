@@ -44,7 +44,8 @@ from runner.worker.model_states import load_hf_config, resolve_model_state_cls
 logger = logging.getLogger(__name__)
 
 
-def _load_tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str):
+    """The model directory's Hugging Face tokenizer, or None (a warning) when it has none."""
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
@@ -134,7 +135,7 @@ class LLM:
         self.seed = seed
         torch.manual_seed(seed)
 
-        self.tokenizer = _load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
         budget = config.encoder_cache_budget or max(4 * config.max_num_batched_tokens, 16384)
         self.mm = MultimodalState(

@@ -12,6 +12,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -19,7 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 import bridge
 from bridge.serve.arrivals import Arrivals
 from bridge.serve.chat import ChatRenderer
-from bridge.serve.engine_loop import EngineLoop
+from bridge.serve.engine_loop import EngineFront, EngineLoop
+from bridge.serve.engine_process import EngineInfo, EngineProcess, RemoteEngineLoop
 from bridge.serve.errors import ApiError, bounded, install_error_handlers
 from bridge.serve.generation import Generation, TokenText
 from bridge.serve.guards import BODY_RECEIVED, Guards
@@ -43,9 +45,13 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 5
 
 @dataclass
 class ServerState:
-    """Everything the routes need; built by `bridge.serve.server.load_server_state`."""
+    """Everything the routes need; built by `bridge.serve.server.load_server_state`.
 
-    llm: LLM
+    The engine is either `llm`, in this process, or `engine_process` (with its `engine_info`), in its
+    own; the routes only see the front (`loop`) and the sizes below.
+    """
+
+    llm: LLM | None
     model_name: str
     model_root: str
     limits: ServeLimits
@@ -58,19 +64,34 @@ class ServerState:
     ingest_workers: int = 0
     ingest_inline_bytes: int = 256 * 2**10
     arrival_decode_window: int | None = None
-    loop: EngineLoop | None = None
+    engine_process: EngineProcess | None = None
+    engine_info: EngineInfo | None = None
+    tokenizer: Any = None
+    loop: EngineFront | None = None
 
     def __post_init__(self) -> None:
-        spec = EmbedsSpec(enabled=self.limits.enable_prompt_embeds, hidden_size=self.llm.hidden_size,
-                          max_bytes=self.limits.max_prompt_embeds_bytes, max_rows=self.llm.max_model_len,
+        if self.llm is not None:
+            self.hidden_size, self.max_model_len = self.llm.hidden_size, self.llm.max_model_len
+            self.tokenizer = self.tokenizer if self.tokenizer is not None else self.llm.tokenizer
+        elif self.engine_process is not None and self.engine_info is not None:
+            info = self.engine_info
+            self.hidden_size, self.max_model_len = info.hidden_size, info.max_model_len
+        else:
+            raise ValueError("ServerState needs an llm, or an engine_process with its engine_info")
+        spec = EmbedsSpec(enabled=self.limits.enable_prompt_embeds, hidden_size=self.hidden_size,
+                          max_bytes=self.limits.max_prompt_embeds_bytes, max_rows=self.max_model_len,
                           max_prompts=self.limits.max_prompts)
         self.body_parser = BodyParser(spec, workers=self.ingest_workers,
                                       inline_bytes=self.ingest_inline_bytes, metrics=self.metrics)
         self.arrivals = Arrivals()
         self.metrics.arriving.set_function(lambda: self.arrivals.count)
-        self.loop = EngineLoop(self.llm, max_pending=self.max_pending, metrics=self.metrics,
-                               arrivals=self.arrivals, arrival_decode_window=self.arrival_decode_window)
-        self.token_text = TokenText(self.llm.tokenizer)
+        if self.llm is not None:
+            self.loop = EngineLoop(self.llm, max_pending=self.max_pending, metrics=self.metrics,
+                                   arrivals=self.arrivals, arrival_decode_window=self.arrival_decode_window)
+        else:
+            self.loop = RemoteEngineLoop(self.engine_process, self.engine_info, max_pending=self.max_pending,
+                                         metrics=self.metrics, arrivals=self.arrivals)
+        self.token_text = TokenText(self.tokenizer)
 
 
 def build_app(state: ServerState) -> Guards:
@@ -85,7 +106,8 @@ def build_app(state: ServerState) -> Guards:
         finally:
             await state.loop.stop(state.drain_timeout_s)
             state.body_parser.close()
-            state.llm.shutdown()
+            if state.llm is not None:
+                state.llm.shutdown()
 
     app = FastAPI(title="Bridge OpenAI-compatible server", version=_version(), lifespan=lifespan)
     app.router.route_class = IngestRoute  # JSON bodies through state.body_parser (ingest.py)
@@ -106,7 +128,7 @@ def build_app(state: ServerState) -> Guards:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if state.loop.healthy else 503)
 
     @app.get("/version")
     async def version() -> dict:
@@ -119,13 +141,13 @@ def build_app(state: ServerState) -> Guards:
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.model_name, root=state.model_root,
-                                         max_model_len=state.llm.max_model_len)])
+                                         max_model_len=state.max_model_len)])
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
-        prompts = await completion_prompts(body, hidden_size=state.llm.hidden_size,
-                                           max_model_len=state.llm.max_model_len, limits=state.limits,
+        prompts = await completion_prompts(body, hidden_size=state.hidden_size,
+                                           max_model_len=state.max_model_len, limits=state.limits,
                                            metrics=state.metrics,
                                            decoded=getattr(raw.state, "prompt_embeds", None))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
@@ -147,7 +169,7 @@ def build_app(state: ServerState) -> Guards:
         check_model(body.model)
         prompt = await state.chat.prompt(body)
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = state.llm.max_model_len if given is None else given
+        max_tokens = state.max_model_len if given is None else given
         top = body.top_logprobs or 0
         logprobs = top if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:

@@ -14,7 +14,7 @@ handler runs in the middleware's task, or in a task that copied its context.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 _TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("bridge_arrival", default=None)
@@ -31,6 +31,7 @@ class _Ticket:
         if self.open:
             self.open = False
             self.arrivals.count -= 1
+            self.arrivals.changed()
 
 
 class Arrivals:
@@ -38,12 +39,18 @@ class Arrivals:
 
     def __init__(self) -> None:
         self.count = 0
+        self.on_change: Callable[[], None] | None = None  # called on the event loop after each change
+
+    def changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     @contextmanager
     def arriving(self) -> Iterator[None]:
         """Around one request in the middleware: counted from here until submitted or ended."""
         ticket = _Ticket(self)
         self.count += 1
+        self.changed()
         token = _TICKET.set(ticket)
         try:
             yield

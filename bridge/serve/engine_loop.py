@@ -1,12 +1,16 @@
-"""The one task that drives the engine: HTTP handlers submit and abort, only this loop steps.
+"""The one driver of the engine: HTTP handlers submit and abort, only its ticks step the core.
 
-Each iteration hands a worker thread one *tick*: validate and add the submissions queued since the
-last tick (`PromptProcessor.process`: all prompts of a submission or none), apply queued aborts,
-run one `EngineCore.step()`, and snapshot the counters. Back on the event loop the tick's outcomes
-resolve the submitters' futures and every `RequestDelta` goes to its request's asyncio queue. The
-core is therefore only ever touched by one thread at a time (the tick's), and the event loop stays
-free to accept connections and stream while the model runs. Requests from all connections share
-each step: that is the engine's continuous batching.
+Two halves. `EngineTicker.tick` is one *tick*: validate and add the submissions queued since the last
+tick (`PromptProcessor.process`: all prompts of a submission or none), apply queued aborts, run one
+`EngineCore.step()`, and snapshot the counters. `EngineFront` is the handlers' side on the event
+loop: `submit` / `abort`, and `deliver`, which resolves the submitters' futures and hands every
+`RequestDelta` to its request's asyncio queue. Requests from all connections share each step: that is
+the engine's continuous batching.
+
+`EngineLoop` joins the two in one process: its task hands each tick to a worker thread, so the event
+loop stays free to accept connections and stream while the model runs, and the core is only ever
+touched by one thread at a time. `bridge.serve.engine_process.RemoteEngineLoop` is the same front
+with the ticker in another process (`bridge serve --engine-process`).
 """
 
 from __future__ import annotations
@@ -58,39 +62,170 @@ class Submission:
     params: Sequence[SamplingParams]
     ids: Sequence[str]
     stream_text: bool
-    future: asyncio.Future
+    future: asyncio.Future | None = None
     check_context: bool = True
     prompt_lens: list[int] = field(default_factory=list)
+    token: int = 0  # names the submission across the engine process's pipe
 
 
 @dataclass
-class _TickResult:
-    added: list[tuple[Submission, BaseException | None]]
+class TickOutcome:
+    """What one tick did: per submission its error (None: added), the step's deltas, the counters."""
+
+    added: list[tuple[Any, BaseException | None]]
     deltas: list[RequestDelta]
     snapshot: EngineSnapshot
-    step_error: BaseException | None = None
+    step_error: str | None = None  # the exception's type name: the step's requests were aborted
     mm_items: int = 0
     mm_hits: int = 0
+    aborted: int = 0
+    admit_s: float | None = None  # None: nothing was submitted
+    step_s: float | None = None  # None: no step ran (or it failed)
 
 
-class EngineLoop:
-    """Owns `llm.core` for the server's lifetime. `submit` / `abort` from handlers; `run` is the task."""
+class EngineTicker:
+    """Runs ticks on one `LLM`; the only code that touches its core while a server runs.
 
-    def __init__(self, llm: LLM, *, max_pending: int, metrics: ServeMetrics, arrivals: Arrivals | None = None,
-                 arrival_decode_window: int | None = None) -> None:
+    `arriving` (a tick's argument) says requests are on their way: greedy decode windows are cut to
+    `arrival_decode_window` steps so they are admitted after a few steps rather than a whole window.
+    """
+
+    def __init__(self, llm: LLM, *, arrival_decode_window: int | None = None) -> None:
         self.llm = llm
         self.core = llm.core
         self._compiles = llm.kernel_compiles  # None off CUDA, or without Triton's hooks
-        self.arrivals = arrivals or Arrivals()
-        # Decode windows while requests are on their way (see arrivals.py); the configured size otherwise.
         self.full_decode_window = self.core.decode_window
         self.arrival_decode_window = min(self.full_decode_window, DEFAULT_ARRIVAL_DECODE_WINDOW
                                          if arrival_decode_window is None else max(1, arrival_decode_window))
         self.processor = llm.processor
         self.max_model_len = llm.max_model_len
+        self.num_steps = 0
+        self._builds_seen = self._compiles.count if self._compiles is not None else 0
+        trace = os.environ.get(TICK_TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in close()
+
+    def tick(self, subs: Sequence[Any], aborts: Sequence[str], arriving: bool) -> TickOutcome:
+        """Admit `subs` (objects with Submission's prompts/params/ids/stream_text/check_context; each
+        gets its `prompt_lens`), apply `aborts`, run one step if anything is unfinished."""
+        started = time.perf_counter()
+        tick_start = time.monotonic()
+        added: list[tuple[Any, BaseException | None]] = []
+        items = hits = aborted = 0
+        seen: set[str] = set()
+        cache = self.llm.mm.cache
+        try:  # every submission's prompt embeds to the device in one upload
+            calls = [(sub.prompts, sub.params, sub.ids, sub.stream_text) for sub in subs]
+            processed = self.processor.process_many(calls)
+        except Exception:  # noqa: BLE001 - a tokenizer or encoder choking: each submission on its own
+            processed = [self._process_one(sub) for sub in subs]
+        for sub, result in zip(subs, processed):
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                requests = result
+                for i, req in enumerate(requests if sub.check_context else ()):
+                    need = len(req.prompt_token_ids) + req.sampling_params.max_tokens
+                    if need > self.max_model_len:
+                        raise ValueError(
+                            f"prompt {i}: this model's maximum context length is {self.max_model_len} "
+                            "tokens, "
+                            f"but {len(req.prompt_token_ids)} prompt tokens + max_tokens "
+                            f"{req.sampling_params.max_tokens} = {need}; reduce max_tokens or the prompt")
+                for req in requests:
+                    for feature in getattr(req, "mm_features", None) or ():
+                        items += 1
+                        ident = feature.identifier
+                        hits += ident in cache or cache.is_referenced(ident) or ident in seen
+                        seen.add(ident)
+                    self.core.add_request(req)
+                sub.prompt_lens = [len(r.prompt_token_ids) for r in requests]
+                added.append((sub, None))
+            except ValueError as exc:  # the processor names the prompt and field: a 400
+                added.append((sub, exc))
+            except Exception as exc:  # noqa: BLE001 - a tokenizer or encoder choking on the input
+                logger.warning("a submission failed validation with %s", type(exc).__name__, exc_info=True)
+                added.append((sub, ValueError(f"the prompt could not be processed ({type(exc).__name__})")))
+        for rid in aborts:
+            if self.core.abort(rid) is not None:
+                aborted += 1
+        admitted = time.perf_counter() - started
+        deltas: list[RequestDelta] = []
+        error = None
+        step_s = None
+        if self.core.has_unfinished():
+            self.core.decode_window = self.arrival_decode_window if arriving else self.full_decode_window
+            stepped = time.perf_counter()
+            try:
+                deltas = self.core.step()
+                self.num_steps += 1
+                step_s = time.perf_counter() - stepped
+                self._report_builds()
+            except Exception as exc:  # noqa: BLE001 - the loop must survive; its requests are aborted
+                logger.exception("engine step failed; aborting its requests")
+                error = type(exc).__name__
+                for rid in list(self.core.scheduler.requests):
+                    self.core.abort(rid)
+                self.core.in_flight = None
+        if self._trace is not None:
+            s, compiles = self.core.scheduler, self._compiles
+            self._trace.write(json.dumps({
+                "t": tick_start, "admit_s": admitted, "step_s": step_s or 0.0, "subs": len(subs),
+                "prompts": sum(len(sub.ids) for sub in subs), "arriving": int(arriving),
+                "window": self.core.decode_window, "running": len(s.running), "waiting": len(s.waiting),
+                "deltas": len(deltas), "finished": sum(d.finished for d in deltas),
+                "builds": compiles.count if compiles is not None else 0}) + "\n")
+        return TickOutcome(added, deltas, self.snapshot(), error, items, hits, aborted,
+                           admitted if subs else None, step_s)
+
+    def _process_one(self, sub: Any) -> list | BaseException:
+        try:
+            return self.processor.process(sub.prompts, sub.params, sub.ids, stream_text=sub.stream_text)
+        except Exception as exc:  # noqa: BLE001 - the tick's handler names it a 400
+            return exc
+
+    def _report_builds(self) -> None:
+        """Log the Triton kernels a step built: the step's requests waited for them (the warm-up
+        missed a specialisation; `bridge:kernel_compiles` counts them)."""
+        compiles = self._compiles
+        if compiles is None or compiles.count <= self._builds_seen:
+            return
+        new = compiles.count - self._builds_seen
+        self._builds_seen = compiles.count
+        shown = "; ".join(f"{name} ({took:.2f} s)" for name, took in compiles.recent[-min(new, 4):])
+        logger.warning("an engine step built %d Triton kernel(s) while serving: %s", new, shown)
+
+    def snapshot(self) -> EngineSnapshot:
+        s, cache, compiles = self.core.scheduler, self.llm.mm.cache, self._compiles
+        return EngineSnapshot(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_free_blocks=self.core.block_manager.num_free_blocks,
+            num_total_blocks=self.core.block_manager.num_blocks,
+            num_free_slots=s.num_free_slots, num_total_slots=s.max_num_seqs,
+            encoder_calls=cache.num_encoder_calls, encoded_items=cache.num_encoded_items,
+            passthrough_uploads=cache.num_uploads,
+            kernel_compiles=compiles.count if compiles else 0,
+            kernel_compile_seconds=compiles.seconds if compiles else 0.0)
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+
+
+class EngineFront:
+    """The handlers' side of the engine, on the event loop: live requests, their queues, delivery.
+
+    A driver subclass moves the queued submissions and aborts to a ticker (`start` / `run`) and calls
+    `deliver` with each `TickOutcome`; `_finish` is its last word at shutdown.
+    """
+
+    def __init__(self, *, max_pending: int, metrics: ServeMetrics, max_model_len: int,
+                 snapshot: EngineSnapshot, arrivals: Arrivals | None = None) -> None:
+        self.arrivals = arrivals or Arrivals()
+        self.max_model_len = max_model_len
         self.max_pending = max_pending
         self.metrics = metrics
-        self._lock = threading.Lock()  # guards the two lists below (handlers append, the tick swaps)
+        self._lock = threading.Lock()  # guards the two lists below (handlers append, the driver swaps)
         self._submissions: list[Submission] = []
         self._aborts: list[str] = []
         self._queues: dict[str, asyncio.Queue] = {}
@@ -98,12 +233,13 @@ class EngineLoop:
         self._wake: asyncio.Event | None = None
         self._stopping = False
         self._task: asyncio.Task | None = None
-        self.snapshot = self._snapshot()
-        self.num_steps = 0
+        self.snapshot = snapshot
         self.num_aborted = 0
-        self._builds_seen = self._compiles.count if self._compiles is not None else 0
-        trace = os.environ.get(TICK_TRACE_ENV)
-        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in stop()
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine can no longer run requests (its process died)."""
+        return True
 
     # ----------------------------------------------------------------------------- handlers' side
     @property
@@ -118,6 +254,8 @@ class EngineLoop:
         (off when max_tokens was not given and stands for "up to the context")."""
         if self._stopping:
             raise ShuttingDown()
+        if not self.healthy:
+            raise EngineFailed("engine")
         if len(self._live) + len(ids) > self.max_pending:
             raise QueueFull()
         future = asyncio.get_running_loop().create_future()
@@ -153,141 +291,39 @@ class EngineLoop:
         if self._wake is not None:
             self._wake.set()
 
-    # ----------------------------------------------------------------------------- the loop
+    def _take(self) -> tuple[list[Submission], list[str]]:
+        with self._lock:
+            subs, self._submissions = self._submissions, []
+            aborts, self._aborts = self._aborts, []
+        return subs, aborts
+
+    def _arriving(self) -> bool:
+        return self.arrivals.count > 0 or bool(self._submissions)
+
+    # ----------------------------------------------------------------------------- the driver's side
     def start(self) -> None:
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self.run(), name="bridge-engine-loop")
 
     async def run(self) -> None:
-        assert self._wake is not None
-        while True:
-            with self._lock:
-                subs, self._submissions = self._submissions, []
-                aborts, self._aborts = self._aborts, []
-            if not subs and not aborts and not self.core.has_unfinished():
-                if self._stopping and not self._live:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            try:
-                result = await asyncio.to_thread(self._tick, subs, aborts)
-            except Exception:  # noqa: BLE001 - a bug in a tick must not silently stall every client
-                logger.exception("engine tick failed; failing the requests it held")
-                self._fail_all(subs)
-                continue
-            self._deliver(result)
+        raise NotImplementedError
 
-    def _tick(self, subs: list[Submission], aborts: list[str]) -> _TickResult:
-        """Runs in a worker thread; the only code that touches the core."""
-        started = time.perf_counter()
-        tick_start = time.monotonic()
-        added: list[tuple[Submission, BaseException | None]] = []
-        items = hits = 0
-        seen: set[str] = set()
-        cache = self.llm.mm.cache
+    def _fail_all(self, subs: Sequence[Submission], reason: str = "tick") -> None:
         for sub in subs:
-            try:
-                requests = self.processor.process(sub.prompts, sub.params, sub.ids,
-                                                  stream_text=sub.stream_text)
-                for i, req in enumerate(requests if sub.check_context else ()):
-                    need = len(req.prompt_token_ids) + req.sampling_params.max_tokens
-                    if need > self.max_model_len:
-                        raise ValueError(
-                            f"prompt {i}: this model's maximum context length is {self.max_model_len} "
-                            "tokens, "
-                            f"but {len(req.prompt_token_ids)} prompt tokens + max_tokens "
-                            f"{req.sampling_params.max_tokens} = {need}; reduce max_tokens or the prompt")
-                for req in requests:
-                    for feature in getattr(req, "mm_features", None) or ():
-                        items += 1
-                        ident = feature.identifier
-                        hits += ident in cache or cache.is_referenced(ident) or ident in seen
-                        seen.add(ident)
-                    self.core.add_request(req)
-                sub.prompt_lens = [len(r.prompt_token_ids) for r in requests]
-                added.append((sub, None))
-            except ValueError as exc:  # the processor names the prompt and field: a 400
-                added.append((sub, exc))
-            except Exception as exc:  # noqa: BLE001 - a tokenizer or encoder choking on the input
-                logger.warning("a submission failed validation with %s", type(exc).__name__, exc_info=True)
-                added.append((sub, ValueError(f"the prompt could not be processed ({type(exc).__name__})")))
-        for rid in aborts:
-            if self.core.abort(rid) is not None:
-                self.num_aborted += 1
-                self.metrics.aborted.inc()
-        admitted = time.perf_counter() - started
-        if subs:
-            self.metrics.tick_admit_seconds.observe(admitted)
-        deltas: list[RequestDelta] = []
-        error = None
-        step_s = 0.0
-        if self.core.has_unfinished():
-            # Short windows while more requests are being received or parsed: they are admitted after
-            # a few steps rather than after a whole window.
-            arriving = self.arrivals.count > 0 or bool(self._submissions)
-            self.core.decode_window = self.arrival_decode_window if arriving else self.full_decode_window
-            stepped = time.perf_counter()
-            try:
-                deltas = self.core.step()
-                self.num_steps += 1
-                step_s = time.perf_counter() - stepped
-                self.metrics.step_seconds.observe(step_s)
-                self._report_builds()
-            except Exception as exc:  # noqa: BLE001 - the loop must survive; its requests are aborted
-                logger.exception("engine step failed; aborting its requests")
-                error = exc
-                for rid in list(self.core.scheduler.requests):
-                    self.core.abort(rid)
-                self.core.in_flight = None
-        if self._trace is not None:
-            s, compiles = self.core.scheduler, self._compiles
-            self._trace.write(json.dumps({
-                "t": tick_start, "admit_s": admitted, "step_s": step_s, "subs": len(subs),
-                "prompts": sum(len(sub.ids) for sub in subs), "arriving": self.arrivals.count,
-                "window": self.core.decode_window, "running": len(s.running), "waiting": len(s.waiting),
-                "deltas": len(deltas), "finished": sum(d.finished for d in deltas),
-                "builds": compiles.count if compiles is not None else 0}) + "\n")
-        return _TickResult(added, deltas, self._snapshot(), error, items, hits)
-
-    def _report_builds(self) -> None:
-        """Log the Triton kernels a step built: the step's requests waited for them (the warm-up
-        missed a specialisation; `bridge:kernel_compiles` counts them)."""
-        compiles = self._compiles
-        if compiles is None or compiles.count <= self._builds_seen:
-            return
-        new = compiles.count - self._builds_seen
-        self._builds_seen = compiles.count
-        shown = "; ".join(f"{name} ({took:.2f} s)" for name, took in compiles.recent[-min(new, 4):])
-        logger.warning("an engine step built %d Triton kernel(s) while serving: %s", new, shown)
-
-    def _fail_all(self, subs: list[Submission]) -> None:
-        for sub in subs:
-            if not sub.future.done():
-                sub.future.set_exception(EngineFailed("tick"))
+            if sub.future is not None and not sub.future.done():
+                sub.future.set_exception(EngineFailed(reason))
         for rid in list(self._live):
             queue = self._queues.pop(rid, None)
             if queue is not None:
-                queue.put_nowait(EngineFailed("tick"))
+                queue.put_nowait(EngineFailed(reason))
         with self._lock:
             self._aborts.extend(self._live)
         self._live.clear()
 
-    def _snapshot(self) -> EngineSnapshot:
-        s, cache, compiles = self.core.scheduler, self.llm.mm.cache, self._compiles
-        return EngineSnapshot(
-            num_running=len(s.running), num_waiting=len(s.waiting),
-            num_free_blocks=self.core.block_manager.num_free_blocks,
-            num_total_blocks=self.core.block_manager.num_blocks,
-            num_free_slots=s.num_free_slots, num_total_slots=s.max_num_seqs,
-            encoder_calls=cache.num_encoder_calls, encoded_items=cache.num_encoded_items,
-            passthrough_uploads=cache.num_uploads,
-            kernel_compiles=compiles.count if compiles else 0,
-            kernel_compile_seconds=compiles.seconds if compiles else 0.0)
-
-    def _deliver(self, result: _TickResult) -> None:
+    def deliver(self, result: TickOutcome) -> None:
+        """Back on the event loop: resolve the submitters, route the deltas, count."""
         for sub, exc in result.added:
-            if not sub.future.done():
+            if sub.future is not None and not sub.future.done():
                 if exc is None:
                     sub.future.set_result(None)
                 else:
@@ -297,6 +333,13 @@ class EngineLoop:
         for sub, exc in result.added:
             if exc is None:
                 self.metrics.prompt_tokens.inc(sum(sub.prompt_lens))
+        if result.admit_s is not None:
+            self.metrics.tick_admit_seconds.observe(result.admit_s)
+        if result.step_s is not None:
+            self.metrics.step_seconds.observe(result.step_s)
+        if result.aborted:
+            self.num_aborted += result.aborted
+            self.metrics.aborted.inc(result.aborted)
         for delta in result.deltas:
             queue = self._queues.get(delta.request_id)
             self.metrics.generation_tokens.inc(len(delta.new_token_ids))
@@ -308,7 +351,7 @@ class EngineLoop:
             if queue is not None:
                 queue.put_nowait(delta)
         if result.step_error is not None:
-            failure = EngineFailed(type(result.step_error).__name__)
+            failure = EngineFailed(result.step_error)
             for rid in list(self._live):
                 queue = self._queues.pop(rid, None)
                 if queue is not None:
@@ -324,7 +367,7 @@ class EngineLoop:
         """Refuse new work, let live requests finish for up to `timeout` s, abort the rest, end the task."""
         self._stopping = True
         deadline = time.monotonic() + timeout
-        while self._live and time.monotonic() < deadline:
+        while self._live and time.monotonic() < deadline and self.healthy:
             await asyncio.sleep(0.05)
         if self._live:
             logger.warning("aborting %d requests still running at shutdown", len(self._live))
@@ -339,6 +382,54 @@ class EngineLoop:
                 await asyncio.wait_for(self._task, timeout=max(5.0, timeout))
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
-        if self._trace is not None:
-            self._trace.close()
-            self._trace = None
+        await self._finish()
+
+    async def _finish(self) -> None:
+        """The driver's last word (close files, end a process)."""
+
+
+class EngineLoop(EngineFront):
+    """The front with the ticker in this process: each tick runs in a worker thread."""
+
+    def __init__(self, llm: LLM, *, max_pending: int, metrics: ServeMetrics, arrivals: Arrivals | None = None,
+                 arrival_decode_window: int | None = None) -> None:
+        self.llm = llm
+        self.ticker = EngineTicker(llm, arrival_decode_window=arrival_decode_window)
+        super().__init__(max_pending=max_pending, metrics=metrics, max_model_len=llm.max_model_len,
+                         snapshot=self.ticker.snapshot(), arrivals=arrivals)
+
+    @property
+    def core(self):
+        return self.ticker.core
+
+    @property
+    def full_decode_window(self) -> int:
+        return self.ticker.full_decode_window
+
+    @property
+    def num_steps(self) -> int:
+        return self.ticker.num_steps
+
+    def _tick(self, subs: list[Submission], aborts: list[str]) -> TickOutcome:
+        return self.ticker.tick(subs, aborts, self._arriving())
+
+    async def run(self) -> None:
+        assert self._wake is not None
+        while True:
+            subs, aborts = self._take()
+            if not subs and not aborts and not self.core.has_unfinished():
+                if self._stopping and not self._live:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                result = await asyncio.to_thread(self._tick, subs, aborts)
+            except Exception:  # noqa: BLE001 - a bug in a tick must not silently stall every client
+                logger.exception("engine tick failed; failing the requests it held")
+                self._fail_all(subs)
+                continue
+            self.deliver(result)
+
+    async def _finish(self) -> None:
+        self.ticker.close()

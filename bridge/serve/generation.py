@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
-from bridge.serve.engine_loop import EngineFailed, EngineLoop, QueueFull, ShuttingDown
+from bridge.serve.engine_loop import EngineFailed, EngineFront, QueueFull, ShuttingDown
 from bridge.serve.errors import ApiError
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.protocol import (
@@ -67,7 +67,7 @@ class TokenText:
 class Generation:
     """The engine requests of one HTTP request: ids `<base>-<k>`, choice k = prompt * n + sample."""
 
-    def __init__(self, loop: EngineLoop, metrics: ServeMetrics, *, base_id: str, model: str,
+    def __init__(self, loop: EngineFront, metrics: ServeMetrics, *, base_id: str, model: str,
                  prompts: Sequence[Any], params: Sequence[SamplingParams], n: int, check_context: bool,
                  token_text: TokenText) -> None:
         self.loop, self.metrics = loop, metrics
@@ -102,6 +102,9 @@ class Generation:
                            "limit); retry later", headers={"Retry-After": RETRY_AFTER_S}) from None
         except ShuttingDown:
             raise ApiError(503, "the server is shutting down",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
+        except EngineFailed:
+            raise ApiError(503, "the engine is not running (see the server's log)",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None

@@ -15,108 +15,63 @@ import argparse
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
 
 from bridge.serve.app import ServerState, build_app
 from bridge.serve.chat import ChatRenderer
+from bridge.serve.engine_build import build_ready_llm, resolve_model, set_torch_threads
+from bridge.serve.engine_process import EngineProcess
 from bridge.serve.ingest import DEFAULT_INLINE_BYTES, default_workers
 from bridge.serve.inputs import ServeLimits
 from bridge.serve.metrics import ServeMetrics
 from bridge.wire import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
-from runner.engine.warmup import warm_up_serving
-from runner.llm import LLM
+from runner.llm import load_tokenizer
 
 logger = logging.getLogger("bridge.serve")
 
 
-@dataclass
-class LoadedModel:
-    llm_dir: Path
-    encoders: dict[str, Any]
-    dtype: str
-    name: str
-
-
-def resolve_model(path: str | Path) -> LoadedModel:
-    """A HF model dir as is; a Bridge run or checkpoint dir -> its LLM dir, encoders and dtype."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"{path} is not a directory (give a Hugging Face model dir or a Bridge "
-                         "run/checkpoint)")
-    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
-        return LoadedModel(path, {}, "auto", path.name)
-    from bridge.training import checkpoint as ckpt_io
-    from encoders.api import load_encoder
-
-    directory = path
-    if not (directory / "meta.json").is_file():
-        latest = ckpt_io.latest_checkpoint(directory)
-        if latest is None:
-            raise ValueError(f"{path} has no config.json (not a HF model dir) and no checkpoint "
-                             "(not a Bridge run)")
-        directory = latest
-    meta = ckpt_io.read_meta(directory)
-    llm_dir = directory / meta["llm_dir"] if meta["llm_dir"] == "llm" else Path(meta["llm_dir"])
-    encoders = {m: load_encoder(directory / "encoder" / m) for m in meta["modalities"]}
-    return LoadedModel(llm_dir, encoders, meta.get("llm_dtype", "float32"), path.name)
-
-
-def build_llm(model: LoadedModel, args: argparse.Namespace) -> LLM:
-    """The engine, with the checkpoint's encoders (moved to the engine's device) registered."""
-    dtype = args.dtype if args.dtype != "auto" else model.dtype
-    llm = LLM(str(model.llm_dir), enable_prompt_embeds=args.enable_prompt_embeds, dtype=dtype,
-              device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-              kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager, seed=args.seed,
-              enable_prefix_caching=args.enable_prefix_caching)
-    for encoder in model.encoders.values():
-        llm.register_encoder(encoder.to(llm.device).eval())
-    return llm
-
-
-def set_torch_threads(args: argparse.Namespace, device_type: str) -> None:
-    """CPU threads for torch's ops in the server process: 1 on a GPU server unless told otherwise.
-
-    There the process's own CPU tensor work is small (step inputs, uploads), while the host is busy
-    with HTTP, the ingest workers and often the clients; an OpenMP team spread over busy cores waits
-    at its barriers for descheduled threads (a 20 us copy took ms beside another busy process). vLLM
-    runs its GPU workers with OMP_NUM_THREADS=1 for the same reason. A CPU server keeps torch's
-    default: there the model runs on those threads.
-    """
+def use_engine_process(args: argparse.Namespace) -> bool:
+    """`--engine-process` as given; by default on when the engine will run on a CUDA device."""
+    if args.engine_process is not None:
+        return args.engine_process
+    if args.device is not None:
+        return str(args.device).startswith("cuda")
     import torch
 
-    threads = args.torch_threads if args.torch_threads is not None else (1 if device_type == "cuda" else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    return torch.cuda.is_available()
 
 
 def load_server_state(args: argparse.Namespace) -> ServerState:
-    model = resolve_model(args.path)
-    llm = build_llm(model, args)
-    set_torch_threads(args, llm.device.type)
-    if llm.device.type == "cuda":  # the kernels a server's bursts meet, built before the first one
-        compiles = llm.kernel_compiles
-        before = compiles.count if compiles is not None else 0
-        seconds = warm_up_serving(llm)
-        built = (compiles.count - before) if compiles is not None else 0
-        logger.info("serving warm-up: %.2f s, %d Triton kernels built", seconds, built)
     limits = ServeLimits(max_prompts=args.max_prompts_per_request, max_n=args.max_n,
                          max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
                          enable_prompt_embeds=args.enable_prompt_embeds)
     metrics = ServeMetrics()
     template = Path(args.chat_template).read_text() if args.chat_template else None
     media_dir = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
-    chat = ChatRenderer(llm.tokenizer, chat_template=template, encoders=dict(llm.mm.encoders),
-                        allowed_media_dir=media_dir, limits=limits, hidden_size=llm.hidden_size,
-                        max_model_len=llm.max_model_len, metrics=metrics)
-    return ServerState(llm=llm, model_name=args.served_model_name or model.name, model_root=str(args.path),
+    if use_engine_process(args):
+        engine = EngineProcess(args)
+        info = engine.start()
+        set_torch_threads(args, info.device_type)
+        tokenizer = load_tokenizer(info.llm_dir)
+        encoders = {m: SimpleNamespace(placeholder=token) for m, token in info.placeholders.items()}
+        llm, name = None, info.model_name
+        device_type, hidden_size, max_model_len = info.device_type, info.hidden_size, info.max_model_len
+    else:
+        model = resolve_model(args.path)
+        llm = build_ready_llm(model, args)
+        engine = info = None
+        tokenizer, encoders, name = llm.tokenizer, dict(llm.mm.encoders), model.name
+        device_type, hidden_size, max_model_len = llm.device.type, llm.hidden_size, llm.max_model_len
+    chat = ChatRenderer(tokenizer, chat_template=template, encoders=encoders,
+                        allowed_media_dir=media_dir, limits=limits, hidden_size=hidden_size,
+                        max_model_len=max_model_len, metrics=metrics)
+    return ServerState(llm=llm, engine_process=engine, engine_info=info, tokenizer=tokenizer,
+                       model_name=args.served_model_name or name, model_root=str(args.path),
                        limits=limits, chat=chat, metrics=metrics, api_key=args.api_key,
                        max_body_bytes=args.max_request_bytes, max_pending=args.max_pending_requests,
                        drain_timeout_s=args.shutdown_timeout,
-                       ingest_workers=(default_workers(llm.device.type) if args.ingest_workers is None
+                       ingest_workers=(default_workers(device_type) if args.ingest_workers is None
                                        else args.ingest_workers),
                        ingest_inline_bytes=args.ingest_inline_bytes,
                        arrival_decode_window=args.arrival_decode_window)
@@ -153,6 +108,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arrival-decode-window", type=int, default=None,
                         help="greedy decode steps per window while requests are being received or parsed "
                              "(default 4; the engine's full window once they are in)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the engine in its own process, HTTP and parsing in this one (default: on "
+                             "with a CUDA engine, off on the CPU)")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch CPU threads in the server process (default: 1 with a GPU engine, "
                              "torch's default on the CPU)")

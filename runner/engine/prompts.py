@@ -96,23 +96,41 @@ def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: H
 def _stage_as_one(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader) -> bool:
     """`stage_embeds` for a call whose embeds are all host tensors of one dtype and fit the keep budget
     together: one `upload_rows` for all of them (see there); False (nothing done) otherwise."""
-    where = [i for i, p in enumerate(parsed) if p.embeds is not None]
-    if len(where) < 2:
+    bad = _stage_calls_as_one([parsed], dtype, uploader)
+    if bad is None:
         return False
-    srcs = [parsed[i].embeds for i in where]
-    if any(t.device.type != "cpu" or t.dtype != srcs[0].dtype or t.dim() != 2 for t in srcs):
-        return False
-    if srcs[0].shape[1] * dtype.itemsize % 16:  # each view must start 16-byte aligned (the overlay's)
-        return False
-    nbytes = sum(t.shape[0] for t in srcs) * srcs[0].shape[1] * dtype.itemsize
-    if uploader.kept_bytes + nbytes > uploader.keep_bytes:
-        return False
-    whole, views, ok = uploader.upload_rows(srcs, dtype)
-    _refuse_not_finite([i for i, fits in zip(where, uploader.read_flag_tensor(ok)) if not fits], dtype)
-    uploader.keep(whole)  # charged once; given back when the last prompt's view is freed
-    for i, view in zip(where, views):
-        parsed[i].embeds = view
+    _refuse_not_finite(bad[0], dtype)
     return True
+
+
+def _stage_calls_as_one(calls: Sequence[Sequence[ParsedPrompt]], dtype: torch.dtype,
+                        uploader: HostUploader) -> list[list[int]] | None:
+    """The embeds of several calls in one `upload_rows` when they can go together (host tensors of one
+    dtype and width, at least two, within the keep budget): per call the indices of its prompts that
+    fail the NaN/Inf check. None (nothing done) when they cannot."""
+    where = [(c, i) for c, parsed in enumerate(calls) for i, p in enumerate(parsed) if p.embeds is not None]
+    if len(where) < 2:
+        return None
+    srcs = [calls[c][i].embeds for c, i in where]
+    first = srcs[0]
+    if any(t.device.type != "cpu" or t.dtype != first.dtype or t.dim() != 2 or t.shape[1] != first.shape[1]
+           for t in srcs):
+        return None
+    if first.shape[1] * dtype.itemsize % 16:  # each view must start 16-byte aligned (the overlay's)
+        return None
+    nbytes = sum(t.shape[0] for t in srcs) * first.shape[1] * dtype.itemsize
+    if uploader.kept_bytes + nbytes > uploader.keep_bytes:
+        return None
+    whole, views, ok = uploader.upload_rows(srcs, dtype)
+    bad: list[list[int]] = [[] for _ in calls]
+    for (c, i), fits in zip(where, uploader.read_flag_tensor(ok)):
+        if not fits:
+            bad[c].append(i)
+    uploader.keep(whole)  # charged once; given back when the last prompt's view is freed
+    for (c, i), view in zip(where, views):
+        if not bad[c]:  # a refused call keeps its host tensors: nothing of it holds the device copy
+            calls[c][i].embeds = view
+    return bad
 
 
 class PromptProcessor:
@@ -165,18 +183,51 @@ class PromptProcessor:
         (`PassthroughBatch`); an item whose content the encoder cache already holds was checked
         when it got there and is not read again.
         """
-        passthrough = PassthroughBatch()
-        with passthrough.collecting(self.dtype):
-            parsed = [self.parse(i, p, passthrough) for i, p in enumerate(prompts)]
-        passthrough.finish(self.dtype, known=self.mm.cache.__contains__)
-        if self.uploader is not None:
-            stage_embeds(parsed, self.dtype, self.uploader, keep=self.keep_device_embeds)
-        else:
-            check_embeds_finite(parsed, self.dtype)
-        for i, (pp, sp) in enumerate(zip(parsed, params)):
-            self.check_params(i, pp, sp)
-        return [self.make_request(rid, i, pp, sp, stream_text=stream_text)
-                for i, (rid, pp, sp) in enumerate(zip(request_ids, parsed, params))]
+        result = self.process_many([(prompts, params, request_ids, stream_text)])[0]
+        if isinstance(result, ValueError):
+            raise result
+        return result
+
+    def process_many(self, calls: Sequence[tuple[Sequence[PromptType], Sequence[SamplingParams],
+                                                 Sequence[str], bool]]) -> list[list[Request] | ValueError]:
+        """`process` for several independent calls `(prompts, params, request_ids, stream_text)` at once
+        (a server tick's submissions): per call its requests, or the ValueError that refused it (all or
+        none within a call, as `process`). Their host prompt embeds go to the device in one upload
+        with one wait for the checks, where one call per request paid an upload and a wait each."""
+        results: list[list[Request] | ValueError] = []
+        parsed_calls: list[list[ParsedPrompt]] = []
+        for prompts, _, _, _ in calls:
+            try:
+                passthrough = PassthroughBatch()
+                with passthrough.collecting(self.dtype):
+                    parsed = [self.parse(i, p, passthrough) for i, p in enumerate(prompts)]
+                passthrough.finish(self.dtype, known=self.mm.cache.__contains__)
+            except ValueError as exc:
+                results.append(exc)
+                continue
+            results.append([])
+            parsed_calls.append(parsed)
+        live = [c for c, r in enumerate(results) if not isinstance(r, ValueError)]
+        bad = None
+        if self.uploader is not None and self.keep_device_embeds:
+            bad = _stage_calls_as_one(parsed_calls, self.dtype, self.uploader)
+        for k, c in enumerate(live):
+            prompts, params, request_ids, stream_text = calls[c]
+            parsed = parsed_calls[k]
+            try:
+                if bad is not None:
+                    _refuse_not_finite(bad[k], self.dtype)
+                elif self.uploader is not None:
+                    stage_embeds(parsed, self.dtype, self.uploader, keep=self.keep_device_embeds)
+                else:
+                    check_embeds_finite(parsed, self.dtype)
+                for i, (pp, sp) in enumerate(zip(parsed, params)):
+                    self.check_params(i, pp, sp)
+                results[c] = [self.make_request(rid, i, pp, sp, stream_text=stream_text)
+                              for i, (rid, pp, sp) in enumerate(zip(request_ids, parsed, params))]
+            except ValueError as exc:
+                results[c] = exc
+        return results
 
     # ----------------------------------------------------------------------------- one prompt
     @staticmethod

@@ -28,6 +28,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def still_running(pids: list[int], timeout: float = 10) -> list[int]:
+    """Those of `pids` still alive after up to `timeout` s (exited children are reaped meanwhile)."""
+    deadline = time.monotonic() + timeout
+
+    def alive(pid: int) -> bool:
+        try:
+            return "zombie" not in Path(f"/proc/{pid}/status").read_text(errors="replace")
+        except OSError:
+            return False
+
+    while True:
+        left = [pid for pid in pids if alive(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
 class ServerProcess:
     def __init__(self, path: Path, log: Path, *flags: str, api_key: str | None = None,
                  wait: bool = True) -> None:
@@ -51,6 +68,11 @@ class ServerProcess:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def children(self) -> list[int]:
+        """The server's child processes (engine, ingest workers, multiprocessing's tracker); Linux."""
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(pid) for pid in path.read_text().split()] if path.exists() else []
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

@@ -6,8 +6,8 @@ import argparse
 
 import torch
 
+from bridge.serve.engine_build import set_torch_threads
 from bridge.serve.ingest import default_workers
-from bridge.serve.server import set_torch_threads
 
 
 def test_torch_threads_one_on_a_gpu_server_default_on_cpu_and_as_told():

@@ -1,0 +1,90 @@
+"""The engine in its own process (bridge.serve.engine_process), without HTTP.
+
+The API and fuzz modules run their shared server this way (`--engine-process`, conftest.py), so
+everything a client sees is tested there; here are the failure paths: an engine that cannot be built
+is reported with its own error, and an engine process that dies fails its live requests, refuses new
+ones with EngineFailed and marks the front unhealthy, and the front still shuts down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+import torch
+
+from bridge.serve.engine_loop import EngineFailed
+from bridge.serve.engine_process import EngineProcess, RemoteEngineLoop
+from bridge.serve.metrics import ServeMetrics
+from bridge.serve.server import add_serve_arguments
+from runner.sampling_params import SamplingParams
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args([*argv, "--device", "cpu", "--log-level", "warning"])
+
+
+def test_an_engine_that_cannot_be_built_reports_its_error(tmp_path):
+    engine = EngineProcess(serve_args(str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="is not a directory"):
+        engine.start(timeout=120)
+    assert not engine.process.is_alive()
+
+
+def test_a_dead_engine_fails_live_requests_and_refuses_new_ones(tiny_text_model):
+    engine = EngineProcess(serve_args(str(tiny_text_model), "--dtype", "float32", "--max-model-len", "1024",
+                                      "--num-kv-blocks", "300"))
+    info = engine.start(timeout=120)
+    assert info.hidden_size > 0 and info.max_model_len == 1024
+
+    async def scenario() -> None:
+        front = RemoteEngineLoop(engine, info, max_pending=8, metrics=ServeMetrics())
+        front.start()
+        params = [SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)]
+        prompt = {"prompt_token_ids": [5, 6, 7]}
+        queue, lens = await front.submit([prompt], params, ["long"], stream_text=False)
+        assert lens == [3]
+        first = await asyncio.wait_for(queue.get(), timeout=60)
+        assert first.new_token_ids  # it runs in the other process
+        engine.process.kill()
+        while True:  # deltas already on their way, then the failure
+            item = await asyncio.wait_for(queue.get(), timeout=30)
+            if isinstance(item, EngineFailed):
+                break
+            assert not item.finished
+        assert not front.healthy and front.num_live == 0
+        with pytest.raises(EngineFailed):
+            await front.submit([{"prompt_token_ids": [5]}], params, ["late"], stream_text=False)
+        await asyncio.wait_for(front.stop(timeout=1), timeout=60)
+
+    asyncio.run(scenario())
+    assert not engine.process.is_alive()
+
+
+def test_messages_carry_tensors_as_raw_bytes_next_to_the_pickle():
+    """What crosses the pipe comes back equal: contiguous CPU tensors of every dtype and shape (empty,
+    0-d, a slice view, bfloat16), and what is pickled as is (a strided view, a sparse tensor)."""
+    import multiprocessing
+    import threading
+
+    from bridge.serve.engine_process import _recv, _send, _widen
+
+    base = torch.randn(40, 300)
+    message = ("submit", {"embeds": torch.randn(512, 1024).bfloat16(), "ids": [1, 2],
+                          "empty": torch.empty(0, 4), "scalar": torch.tensor(3.5), "rows": base[5:9],
+                          "strided": base[:, ::3],
+                          "flags": torch.tensor([True, False]), "sparse": torch.eye(3).to_sparse()})
+    receiving, sending = multiprocessing.Pipe(duplex=False)
+    _widen(sending)
+    writer = threading.Thread(target=_send, args=(sending, message))
+    writer.start()
+    got = _recv(receiving)
+    writer.join()
+    assert got[0] == "submit" and got[1]["ids"] == [1, 2]
+    for key, value in message[1].items():
+        if isinstance(value, torch.Tensor):
+            assert got[1][key].dtype == value.dtype and got[1][key].shape == value.shape
+            assert torch.equal(got[1][key].to_dense(), value.to_dense()), key
