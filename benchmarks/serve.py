@@ -270,7 +270,12 @@ def main() -> int:
 
     log_path = pathlib.Path(tempfile.gettempdir()) / "bridge_serve_bench.log"
     pool = None
+    # a SIGTERM (a `timeout` around this script) still runs the `finally` below: no server left running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.perf_counter()
     proc, url = start_server(model_dir, args, settings, dtype_name, log_path)
+    results["server_start_seconds"] = time.perf_counter() - started
+    log(f"server ready in {results['server_start_seconds']:.1f} s ({args.server_args or 'default flags'})")
     try:
         procs = args.client_procs or max(1, min(8, (os.cpu_count() or 2) // 2))
         if procs > 1:

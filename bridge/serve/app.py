@@ -21,7 +21,7 @@ import bridge
 from bridge.serve.arrivals import Arrivals
 from bridge.serve.chat import ChatRenderer
 from bridge.serve.engine_loop import EngineFront, EngineLoop
-from bridge.serve.engine_process import EngineInfo, EngineProcess, RemoteEngineLoop
+from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess, RemoteEngineLoop
 from bridge.serve.errors import ApiError, bounded, install_error_handlers
 from bridge.serve.generation import Generation, TokenText
 from bridge.serve.guards import BODY_RECEIVED, Guards
@@ -47,8 +47,9 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 5
 class ServerState:
     """Everything the routes need; built by `bridge.serve.server.load_server_state`.
 
-    The engine is either `llm`, in this process, or `engine_process` (with its `engine_info`), in its
-    own; the routes only see the front (`loop`) and the sizes below.
+    The engine is `llm`, in this process, or runs in an engine process (`engine_info`): started by this
+    process (`engine_process`), or by the parent of several API processes, this one talking to it over
+    `engine_link`. The routes only see the front (`loop`) and the sizes below.
     """
 
     llm: LLM | None
@@ -65,6 +66,7 @@ class ServerState:
     ingest_inline_bytes: int = 256 * 2**10
     arrival_decode_window: int | None = None
     engine_process: EngineProcess | None = None
+    engine_link: EngineLink | None = None  # an API process of several: its pipes to the engine process
     engine_info: EngineInfo | None = None
     tokenizer: Any = None
     loop: EngineFront | None = None
@@ -73,7 +75,7 @@ class ServerState:
         if self.llm is not None:
             self.hidden_size, self.max_model_len = self.llm.hidden_size, self.llm.max_model_len
             self.tokenizer = self.tokenizer if self.tokenizer is not None else self.llm.tokenizer
-        elif self.engine_process is not None and self.engine_info is not None:
+        elif self.engine_info is not None and (self.engine_process or self.engine_link) is not None:
             info = self.engine_info
             self.hidden_size, self.max_model_len = info.hidden_size, info.max_model_len
         else:
@@ -84,13 +86,16 @@ class ServerState:
         self.body_parser = BodyParser(spec, workers=self.ingest_workers,
                                       inline_bytes=self.ingest_inline_bytes, metrics=self.metrics)
         self.arrivals = Arrivals()
-        self.metrics.arriving.set_function(lambda: self.arrivals.count)
+        self.arrivals.listeners.append(lambda: self.metrics.arriving.set(self.arrivals.count))
         if self.llm is not None:
             self.loop = EngineLoop(self.llm, max_pending=self.max_pending, metrics=self.metrics,
                                    arrivals=self.arrivals, arrival_decode_window=self.arrival_decode_window)
         else:
-            self.loop = RemoteEngineLoop(self.engine_process, self.engine_info, max_pending=self.max_pending,
-                                         metrics=self.metrics, arrivals=self.arrivals)
+            # In the process that started the engine (one API process) the loop also waits for its end.
+            link = self.engine_link or self.engine_process.links[0]
+            on_finish = self.engine_process.join if self.engine_link is None else None
+            self.loop = RemoteEngineLoop(link, self.engine_info, max_pending=self.max_pending,
+                                         metrics=self.metrics, arrivals=self.arrivals, on_finish=on_finish)
         self.token_text = TokenText(self.tokenizer)
 
 

@@ -39,11 +39,11 @@ class Arrivals:
 
     def __init__(self) -> None:
         self.count = 0
-        self.on_change: Callable[[], None] | None = None  # called on the event loop after each change
+        self.listeners: list[Callable[[], None]] = []  # called on the event loop after each change
 
     def changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+        for listener in self.listeners:
+            listener()
 
     @contextmanager
     def arriving(self) -> Iterator[None]:

@@ -66,6 +66,8 @@ class Submission:
     check_context: bool = True
     prompt_lens: list[int] = field(default_factory=list)
     token: int = 0  # names the submission across the engine process's pipe
+    mm_items: int = 0  # media items in its prompts, and how many the encoder cache had (set by the tick)
+    mm_hits: int = 0
 
 
 @dataclass
@@ -79,6 +81,7 @@ class TickOutcome:
     mm_items: int = 0
     mm_hits: int = 0
     aborted: int = 0
+    aborted_ids: list[str] = field(default_factory=list)
     admit_s: float | None = None  # None: nothing was submitted
     step_s: float | None = None  # None: no step ran (or it failed)
 
@@ -110,7 +113,7 @@ class EngineTicker:
         started = time.perf_counter()
         tick_start = time.monotonic()
         added: list[tuple[Any, BaseException | None]] = []
-        items = hits = aborted = 0
+        items = hits = 0
         seen: set[str] = set()
         cache = self.llm.mm.cache
         try:  # every submission's prompt embeds to the device in one upload
@@ -131,23 +134,26 @@ class EngineTicker:
                             "tokens, "
                             f"but {len(req.prompt_token_ids)} prompt tokens + max_tokens "
                             f"{req.sampling_params.max_tokens} = {need}; reduce max_tokens or the prompt")
+                sub_items = sub_hits = 0
                 for req in requests:
                     for feature in getattr(req, "mm_features", None) or ():
-                        items += 1
+                        sub_items += 1
                         ident = feature.identifier
-                        hits += ident in cache or cache.is_referenced(ident) or ident in seen
+                        sub_hits += ident in cache or cache.is_referenced(ident) or ident in seen
                         seen.add(ident)
                     self.core.add_request(req)
                 sub.prompt_lens = [len(r.prompt_token_ids) for r in requests]
+                sub.mm_items, sub.mm_hits = sub_items, sub_hits
+                items += sub_items
+                hits += sub_hits
                 added.append((sub, None))
             except ValueError as exc:  # the processor names the prompt and field: a 400
                 added.append((sub, exc))
             except Exception as exc:  # noqa: BLE001 - a tokenizer or encoder choking on the input
                 logger.warning("a submission failed validation with %s", type(exc).__name__, exc_info=True)
                 added.append((sub, ValueError(f"the prompt could not be processed ({type(exc).__name__})")))
-        for rid in aborts:
-            if self.core.abort(rid) is not None:
-                aborted += 1
+        aborted_ids = [rid for rid in aborts if self.core.abort(rid) is not None]
+        aborted = len(aborted_ids)
         admitted = time.perf_counter() - started
         deltas: list[RequestDelta] = []
         error = None
@@ -174,7 +180,7 @@ class EngineTicker:
                 "window": self.core.decode_window, "running": len(s.running), "waiting": len(s.waiting),
                 "deltas": len(deltas), "finished": sum(d.finished for d in deltas),
                 "builds": compiles.count if compiles is not None else 0}) + "\n")
-        return TickOutcome(added, deltas, self.snapshot(), error, items, hits, aborted,
+        return TickOutcome(added, deltas, self.snapshot(), error, items, hits, aborted, aborted_ids,
                            admitted if subs else None, step_s)
 
     def _process_one(self, sub: Any) -> list | BaseException:

@@ -33,6 +33,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,9 @@ class WireSubmission:
     stream_text: bool
     check_context: bool
     prompt_lens: list[int]
+    owner: int = 0  # which API process sent it (its connection's index)
+    mm_items: int = 0
+    mm_hits: int = 0
 
 
 class _TensorPickler(pickle.Pickler):
@@ -151,42 +155,85 @@ def _widen(conn) -> None:
 
 # ----------------------------------------------------------------------------- the engine process
 
-def _receive_forever(conn, inbox: queue.SimpleQueue) -> None:
-    """Engine side: move every request message into `inbox` as soon as it arrives."""
+def _receive_forever(owner: int, conn, inbox: queue.SimpleQueue) -> None:
+    """Engine side: move every request message of one API process into `inbox` as soon as it arrives."""
     while True:
         try:
-            inbox.put(_recv(conn))
+            inbox.put((owner, _recv(conn)))
         except (EOFError, OSError):
-            inbox.put(("eof",))
+            inbox.put((owner, ("eof",)))
             return
 
 
-def engine_main(requests_conn, outcomes_conn, args: argparse.Namespace) -> None:
-    """The engine process: build the LLM as `bridge serve` does, then tick until told to stop."""
+class _Owners:
+    """Which API process each live request belongs to, and each tick's outcome split between them.
+
+    Every API process gets every tick's outcome (at least the snapshot, which its gauges show); the
+    engine's own timings go to API process 0 only, so a histogram summed over processes counts each
+    step once.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.of: dict[str, int] = {}
+
+    def split(self, outcome: TickOutcome, aborts: dict[int, list[str]]) -> list[TickOutcome]:
+        parts = [TickOutcome([], [], outcome.snapshot, outcome.step_error) for _ in range(self.count)]
+        parts[0].admit_s, parts[0].step_s = outcome.admit_s, outcome.step_s
+        for sub, exc in outcome.added:
+            part = parts[sub.owner]
+            part.added.append((sub.token, exc, sub.prompt_lens))
+            if exc is None:
+                self.of.update((rid, sub.owner) for rid in sub.ids)
+                part.mm_items += sub.mm_items
+                part.mm_hits += sub.mm_hits
+        aborted = set(outcome.aborted_ids)
+        for owner, ids in aborts.items():
+            parts[owner].aborted = sum(rid in aborted for rid in ids)
+        for rid in aborted:
+            self.of.pop(rid, None)
+        for delta in outcome.deltas:
+            owner = self.of.get(delta.request_id)
+            if owner is None:
+                continue  # aborted by its API process meanwhile
+            parts[owner].deltas.append(delta)
+            if delta.finished:
+                del self.of[delta.request_id]
+        if outcome.step_error is not None:
+            self.of.clear()  # the failed step's requests were all aborted
+        return parts
+
+
+def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace) -> None:
+    """The engine process: build the LLM as `bridge serve` does, then tick until every API process
+    (one `(requests, outcomes)` pipe pair each) has said stop or gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API decides
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    outcomes = [out for _, out in connections]
     try:
         model = resolve_model(args.path)
         llm = build_ready_llm(model, args)
     except BaseException as exc:  # noqa: BLE001 - reported to the API process, which exits with it
         logger.exception("the engine could not be built")
-        _send(outcomes_conn, ("failed", (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"[:2000])))
+        _send(outcomes[0], ("failed", (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"[:2000])))
         return
     ticker = EngineTicker(llm, arrival_decode_window=args.arrival_decode_window)
     placeholders = {m: placeholder_token(m, enc) for m, enc in llm.mm.encoders.items()}
-    _send(outcomes_conn, ("ready", EngineInfo(str(model.llm_dir), llm.hidden_size, llm.max_model_len,
-                                              llm.device.type, placeholders, ticker.snapshot(), model.name)))
+    _send(outcomes[0], ("ready", EngineInfo(str(model.llm_dir), llm.hidden_size, llm.max_model_len,
+                                            llm.device.type, placeholders, ticker.snapshot(), model.name)))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_receive_forever, args=(requests_conn, inbox), daemon=True,
-                     name="bridge-engine-inbox").start()
+    for owner, (requests, _) in enumerate(connections):
+        threading.Thread(target=_receive_forever, args=(owner, requests, inbox), daemon=True,
+                         name=f"bridge-engine-inbox-{owner}").start()
+    owners = _Owners(len(connections))
     subs: list[WireSubmission] = []
-    aborts: list[str] = []
-    arriving = 0
-    running = True
+    aborts: dict[int, list[str]] = {}
+    arriving = [0] * len(connections)
+    done: set[int] = set()
     try:
-        while running:
+        while len(done) < len(connections):
             busy = bool(subs or aborts or ticker.core.has_unfinished())
             try:
                 messages = [inbox.get(block=not busy)]
@@ -197,30 +244,39 @@ def engine_main(requests_conn, outcomes_conn, args: argparse.Namespace) -> None:
                     messages.append(inbox.get_nowait())
                 except queue.Empty:
                     break
-            for message in messages:
+            for owner, message in messages:
                 kind = message[0]
                 if kind == "submit":
                     subs.append(message[1])
                 elif kind == "abort":
-                    aborts.extend(message[1])
+                    aborts.setdefault(owner, []).extend(message[1])
                 elif kind == "arriving":
-                    arriving = message[1]
+                    arriving[owner] = message[1]
                 elif kind in ("stop", "eof"):
-                    running = False
-            if not running or not (subs or aborts or ticker.core.has_unfinished()):
+                    done.add(owner)
+                    arriving[owner] = 0
+                    gone = [rid for rid, o in owners.of.items() if o == owner]
+                    if gone:  # an API process that left: its requests go
+                        aborts.setdefault(owner, []).extend(gone)
+            if not (subs or aborts or ticker.core.has_unfinished()):
                 continue
+            all_aborts = [rid for ids in aborts.values() for rid in ids]
             try:
-                outcome = ticker.tick(subs, aborts, arriving > 0 or not inbox.empty())
+                outcome = ticker.tick(subs, all_aborts, sum(arriving) > 0 or not inbox.empty())
             except Exception:  # noqa: BLE001 - a bug in a tick must not silently stall every client
                 logger.exception("engine tick failed; failing the requests it held")
-                _send(outcomes_conn, ("tick_failed", [sub.token for sub in subs]))
-                subs, aborts = [], []
+                for owner in {sub.owner for sub in subs} - done:
+                    _send(outcomes[owner], ("tick_failed", [sub.token for sub in subs if sub.owner == owner]))
+                subs, aborts = [], {}
                 continue
-            subs, aborts = [], []
-            outcome.added = [(sub.token, exc, sub.prompt_lens) for sub, exc in outcome.added]
-            _send(outcomes_conn, ("tick", outcome))
-    except (BrokenPipeError, EOFError, OSError):
-        pass  # the API process is gone
+            parts = owners.split(outcome, aborts)
+            subs, aborts = [], {}
+            for owner, part in enumerate(parts):
+                if owner not in done:
+                    try:
+                        _send(outcomes[owner], ("tick", part))
+                    except (BrokenPipeError, OSError):
+                        done.add(owner)
     finally:
         ticker.close()
         llm.shutdown()
@@ -228,70 +284,86 @@ def engine_main(requests_conn, outcomes_conn, args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- the API process
 
-class EngineProcess:
-    """The spawned engine process and the API process's ends of its two pipes."""
+@dataclass
+class EngineLink:
+    """One API process's ends of its two pipes to the engine process (`owner`: its index there)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    requests: Any
+    outcomes: Any
+    owner: int = 0
+
+
+class EngineProcess:
+    """The spawned engine process and, per API process, the two pipe ends it talks through."""
+
+    def __init__(self, args: argparse.Namespace, *, api_processes: int = 1) -> None:
         ctx = multiprocessing.get_context("spawn")  # the API process may hold threads; never fork them
-        self._requests_recv, self.requests = ctx.Pipe(duplex=False)
-        self.outcomes, self._outcomes_send = ctx.Pipe(duplex=False)
-        _widen(self.requests)
-        self.process = ctx.Process(target=engine_main, name="bridge-engine",
-                                   args=(self._requests_recv, self._outcomes_send, args))
+        self.links: list[EngineLink] = []
+        engine_ends = []
+        for owner in range(api_processes):
+            requests_recv, requests = ctx.Pipe(duplex=False)
+            outcomes, outcomes_send = ctx.Pipe(duplex=False)
+            _widen(requests)
+            self.links.append(EngineLink(requests, outcomes, owner))
+            engine_ends.append((requests_recv, outcomes_send))
+        self._engine_ends = engine_ends
+        self.process = ctx.Process(target=engine_main, name="bridge-engine", args=(engine_ends, args))
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> EngineInfo:
         """Start the process and wait until its engine is built. Raises what building it raised: a
         ValueError (a bad path or option, which `bridge serve` prints as one line) as a ValueError,
         anything else as a RuntimeError with its type and message."""
         self.process.start()
-        self._requests_recv.close()
-        self._outcomes_send.close()
+        for requests_recv, outcomes_send in self._engine_ends:
+            requests_recv.close()
+            outcomes_send.close()
+        first = self.links[0].outcomes
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.outcomes.poll(0.5):
+            if first.poll(0.5):
                 try:
-                    kind, payload = _recv(self.outcomes)
+                    kind, payload = _recv(first)
                 except EOFError:
                     break
                 if kind == "ready":
                     logger.info("engine process %d ready", self.process.pid)
                     return payload
-                self.close(timeout=10, send_stop=False)
+                self.join(timeout=10)
                 is_value_error, message = payload
                 raise (ValueError if is_value_error else RuntimeError)(message)
             if not self.process.is_alive():
                 break
-        self.close(timeout=5)
+        self.join(timeout=5)
         raise RuntimeError(f"the engine process exited (code {self.process.exitcode}) before it was ready")
 
-    def close(self, timeout: float = 30.0, *, send_stop: bool = True) -> None:
-        """Ask the engine to stop (unless the caller's sender thread did), wait, kill it if it hangs."""
-        if send_stop:
-            try:
-                _send(self.requests, ("stop",))
-            except (BrokenPipeError, OSError):
-                pass
+    def join(self, timeout: float = 30.0) -> None:
+        """Wait for the engine to end (it does once every API process said stop or went), kill it if
+        it hangs, close this process's pipe ends."""
         self.process.join(timeout)
         if self.process.is_alive():
             logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
             self.process.kill()
             self.process.join(5)
-        for conn in (self.requests, self.outcomes):
-            conn.close()
+        for link in self.links:
+            link.requests.close()
+            link.outcomes.close()
 
 
 class RemoteEngineLoop(EngineFront):
-    """The front of an engine that runs in an `EngineProcess`.
+    """The front of an engine that runs in an `EngineProcess`, over one `EngineLink`.
 
     The task forwards queued submissions, aborts and the arrivals count to a sender thread; a
-    receiver thread turns the engine's tick outcomes into `deliver` calls on the event loop.
+    receiver thread turns the engine's tick outcomes into `deliver` calls on the event loop. At the
+    end it says stop (after every abort it queued) and, in the process that started the engine,
+    waits for the engine to end (`on_finish`).
     """
 
-    def __init__(self, engine: EngineProcess, info: EngineInfo, *, max_pending: int, metrics: ServeMetrics,
-                 arrivals: Arrivals | None = None) -> None:
+    def __init__(self, link: EngineLink, info: EngineInfo, *, max_pending: int, metrics: ServeMetrics,
+                 arrivals: Arrivals | None = None, on_finish: Callable[[], None] | None = None) -> None:
         super().__init__(max_pending=max_pending, metrics=metrics, max_model_len=info.max_model_len,
                          snapshot=info.snapshot, arrivals=arrivals)
-        self.engine = engine
+        self.link = link
+        self.on_finish = on_finish
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sent: dict[int, Submission] = {}
         self._next_token = 0
@@ -299,7 +371,7 @@ class RemoteEngineLoop(EngineFront):
         self._alive = True
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
-        self.arrivals.on_change = self._wake_up
+        self.arrivals.listeners.append(self._wake_up)
 
     @property
     def healthy(self) -> bool:
@@ -323,7 +395,8 @@ class RemoteEngineLoop(EngineFront):
                 sub.token = self._next_token
                 self._sent[sub.token] = sub
                 self._outbox.put(("submit", WireSubmission(sub.token, sub.prompts, sub.params, sub.ids,
-                                                           sub.stream_text, sub.check_context, [])))
+                                                           sub.stream_text, sub.check_context, [],
+                                                           self.link.owner)))
             if aborts:
                 self._outbox.put(("abort", aborts))
             count = self.arrivals.count
@@ -343,7 +416,7 @@ class RemoteEngineLoop(EngineFront):
             if message is None:
                 return
             try:
-                _send(self.engine.requests, message)
+                _send(self.link.requests, message)
             except (BrokenPipeError, OSError):
                 return  # the receiver thread reports the death
 
@@ -351,14 +424,17 @@ class RemoteEngineLoop(EngineFront):
         assert self._loop is not None
         while True:
             try:
-                kind, payload = _recv(self.engine.outcomes)
+                kind, payload = _recv(self.link.outcomes)
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._engine_gone)
+                kind, payload = "gone", None
+            handler = {"tick": self._on_tick, "tick_failed": self._on_tick_failed,
+                       "gone": self._engine_gone}[kind]
+            try:
+                self._loop.call_soon_threadsafe(handler, *(() if payload is None else (payload,)))
+            except RuntimeError:  # the event loop closed: the server is gone already
                 return
-            if kind == "tick":
-                self._loop.call_soon_threadsafe(self._on_tick, payload)
-            elif kind == "tick_failed":
-                self._loop.call_soon_threadsafe(self._on_tick_failed, payload)
+            if kind == "gone":
+                return
 
     def _on_tick(self, outcome: TickOutcome) -> None:
         added = []
@@ -379,8 +455,7 @@ class RemoteEngineLoop(EngineFront):
             return
         self._alive = False
         if not self._stopping:
-            logger.error("the engine process died (exit code %s); failing every live request",
-                         self.engine.process.exitcode)
+            logger.error("the engine process died; failing every live request")
         pending, _ = self._take()
         self._fail_all(list(self._sent.values()) + pending, reason="engine process")
         self._sent.clear()
@@ -389,11 +464,11 @@ class RemoteEngineLoop(EngineFront):
         self._wake_up()
 
     async def _finish(self) -> None:
-        self.arrivals.on_change = None
+        self.arrivals.listeners.remove(self._wake_up)
         self._outbox.put(("stop",))  # after every abort queued before it, from the one writer thread
         self._outbox.put(None)
-        if self._threads:
-            await asyncio.to_thread(self._threads[0].join, 5)
-        await asyncio.to_thread(self.engine.close, send_stop=not self._threads)
-        for thread in self._threads[1:]:
-            thread.join(timeout=5)
+        await asyncio.to_thread(self._threads[0].join, 5)
+        if self.on_finish is not None:
+            await asyncio.to_thread(self.on_finish)
+        else:
+            self.link.requests.close()

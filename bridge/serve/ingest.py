@@ -72,11 +72,12 @@ class ParsedBody:
     embeds: list[DecodedEmbeds] | None  # aligned with the body's prompt_embeds list; None: not pre-decoded
 
 
-def default_workers(device_type: str) -> int:
-    """Half the cores, up to 8, on a GPU server; 0 on a CPU server (there the engine needs the cores)."""
+def default_workers(device_type: str, *, api_processes: int = 1) -> int:
+    """Half the cores, up to 8, on a GPU server, shared by its API processes (each parses in its own
+    event loop when its share is 0); 0 on a CPU server (there the engine needs the cores)."""
     if device_type != "cuda":
         return 0
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    return max(1, min(8, (os.cpu_count() or 2) // 2)) // max(1, api_processes)
 
 
 # ----------------------------------------------------------------------------- in the worker

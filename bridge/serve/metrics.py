@@ -3,13 +3,20 @@
 Names follow vLLM's (`vllm:...` -> `bridge:...`) where vLLM has one. Engine gauges (running and
 waiting requests, KV-cache usage, free blocks and slots) are a snapshot the engine loop takes
 after every step, so reading `/metrics` never touches the engine.
+
+With several API processes (`bridge serve --api-server-count N`) every process writes its samples to
+`PROMETHEUS_MULTIPROC_DIR` (prometheus-client's multiprocess mode, set by the parent before it
+starts them) and `/metrics`, answered by whichever process the connection reached, adds them up:
+counters and histograms summed, the request gauges (live, arriving) summed over live processes, the
+engine's snapshot gauges the most recent value.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -37,6 +44,7 @@ class ServeMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        snap = {"registry": r, "multiprocess_mode": "mostrecent"}  # the engine's gauges: one snapshot for all
         self.http_requests = Counter("bridge:http_requests", "HTTP requests by route and status code",
                                      ["route", "status"], registry=r)
         self.request_success = Counter("bridge:request_success", "Finished generation requests by reason",
@@ -76,28 +84,29 @@ class ServeMetrics:
                                       buckets=_LATENCY_BUCKETS, registry=r)
         self.kernel_compiles = Gauge("bridge:kernel_compiles",
                                      "Triton kernel builds in the server process, start-up included",
-                                     registry=r)
+                                     **snap)
         self.kernel_compile_seconds = Gauge("bridge:kernel_compile_seconds",
-                                            "Seconds spent building them", registry=r)
-        self.running = Gauge("bridge:num_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("bridge:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.kv_usage = Gauge("bridge:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
-        self.free_blocks = Gauge("bridge:kv_free_blocks", "Free KV blocks", registry=r)
-        self.total_blocks = Gauge("bridge:kv_total_blocks", "KV blocks in the pool", registry=r)
-        self.free_slots = Gauge("bridge:free_slots", "Free request slots", registry=r)
-        self.total_slots = Gauge("bridge:total_slots", "Request slots (max_num_seqs)", registry=r)
-        self.live = Gauge("bridge:num_requests_live", "Requests accepted and not yet finished", registry=r)
+                                            "Seconds spent building them", **snap)
+        self.running = Gauge("bridge:num_requests_running", "Requests in the running batch", **snap)
+        self.waiting = Gauge("bridge:num_requests_waiting", "Requests waiting to be scheduled", **snap)
+        self.kv_usage = Gauge("bridge:kv_cache_usage_perc", "Fraction of KV blocks in use", **snap)
+        self.free_blocks = Gauge("bridge:kv_free_blocks", "Free KV blocks", **snap)
+        self.total_blocks = Gauge("bridge:kv_total_blocks", "KV blocks in the pool", **snap)
+        self.free_slots = Gauge("bridge:free_slots", "Free request slots", **snap)
+        self.total_slots = Gauge("bridge:total_slots", "Request slots (max_num_seqs)", **snap)
+        self.live = Gauge("bridge:num_requests_live", "Requests accepted and not yet finished", registry=r,
+                          multiprocess_mode="livesum")
         self.arriving = Gauge("bridge:num_requests_arriving",
                               "POST requests received or being parsed, not yet submitted to the engine",
-                              registry=r)
+                              registry=r, multiprocess_mode="livesum")
         self.mm_items = Counter("bridge:encoder_cache_queries", "Media items in accepted requests",
                                 registry=r)
         self.mm_hits = Counter("bridge:encoder_cache_hits",
                                "Media items served from the encoder cache (already encoded or in flight)",
                                registry=r)
         self.encoded_items = Gauge("bridge:encoder_encoded_items", "Items the encoders ran on so far",
-                                   registry=r)
-        self.encoder_calls = Gauge("bridge:encoder_calls", "Batched encoder calls so far", registry=r)
+                                   **snap)
+        self.encoder_calls = Gauge("bridge:encoder_calls", "Batched encoder calls so far", **snap)
 
     def set_snapshot(self, s: EngineSnapshot, live: int) -> None:
         self.running.set(s.num_running)
@@ -115,4 +124,9 @@ class ServeMetrics:
         self.kernel_compile_seconds.set(s.kernel_compile_seconds)
 
     def render(self) -> bytes:
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory:  # several API processes: everyone's samples, added up
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=directory)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -4,6 +4,10 @@ PATH is a Hugging Face model directory (text, token ids, prompt embeds) or a Bri
 checkpoint directory: then the checkpoint's LLM is served with its trained encoders registered in
 the engine (as `Bridge.from_checkpoint` finds them), so chat messages may carry media.
 
+Where things run: the engine in this process, or (`--engine-process`, the default with a CUDA
+engine) in its own (`engine_process.py`); with `--api-server-count N` above 1, N API processes share
+the port in front of it (`api_servers.py`).
+
 Shutdown: uvicorn stops accepting on SIGTERM, waits up to `--shutdown-timeout` s for open
 connections (streams keep receiving tokens meanwhile), then the app's lifespan aborts what is left
 and frees the engine; the process exits 0.
@@ -12,21 +16,16 @@ and frees the engine; the process exits 0.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import signal
-from pathlib import Path
-from types import SimpleNamespace
 
+from bridge.serve.api_servers import serve_with_api_servers
 from bridge.serve.app import ServerState, build_app
-from bridge.serve.chat import ChatRenderer
-from bridge.serve.engine_build import build_ready_llm, resolve_model, set_torch_threads
+from bridge.serve.engine_build import build_ready_llm, resolve_model
 from bridge.serve.engine_process import EngineProcess
-from bridge.serve.ingest import DEFAULT_INLINE_BYTES, default_workers
-from bridge.serve.inputs import ServeLimits
-from bridge.serve.metrics import ServeMetrics
+from bridge.serve.ingest import DEFAULT_INLINE_BYTES
+from bridge.serve.state_builder import server_state
+from bridge.serve.uvicorn_server import graceful_server, uvicorn_config
 from bridge.wire import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
-from runner.llm import load_tokenizer
 
 logger = logging.getLogger("bridge.serve")
 
@@ -43,38 +42,13 @@ def use_engine_process(args: argparse.Namespace) -> bool:
 
 
 def load_server_state(args: argparse.Namespace) -> ServerState:
-    limits = ServeLimits(max_prompts=args.max_prompts_per_request, max_n=args.max_n,
-                         max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
-                         enable_prompt_embeds=args.enable_prompt_embeds)
-    metrics = ServeMetrics()
-    template = Path(args.chat_template).read_text() if args.chat_template else None
-    media_dir = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
+    """One API process: the engine in this process, or in an engine process started here."""
     if use_engine_process(args):
         engine = EngineProcess(args)
         info = engine.start()
-        set_torch_threads(args, info.device_type)
-        tokenizer = load_tokenizer(info.llm_dir)
-        encoders = {m: SimpleNamespace(placeholder=token) for m, token in info.placeholders.items()}
-        llm, name = None, info.model_name
-        device_type, hidden_size, max_model_len = info.device_type, info.hidden_size, info.max_model_len
-    else:
-        model = resolve_model(args.path)
-        llm = build_ready_llm(model, args)
-        engine = info = None
-        tokenizer, encoders, name = llm.tokenizer, dict(llm.mm.encoders), model.name
-        device_type, hidden_size, max_model_len = llm.device.type, llm.hidden_size, llm.max_model_len
-    chat = ChatRenderer(tokenizer, chat_template=template, encoders=encoders,
-                        allowed_media_dir=media_dir, limits=limits, hidden_size=hidden_size,
-                        max_model_len=max_model_len, metrics=metrics)
-    return ServerState(llm=llm, engine_process=engine, engine_info=info, tokenizer=tokenizer,
-                       model_name=args.served_model_name or name, model_root=str(args.path),
-                       limits=limits, chat=chat, metrics=metrics, api_key=args.api_key,
-                       max_body_bytes=args.max_request_bytes, max_pending=args.max_pending_requests,
-                       drain_timeout_s=args.shutdown_timeout,
-                       ingest_workers=(default_workers(device_type) if args.ingest_workers is None
-                                       else args.ingest_workers),
-                       ingest_inline_bytes=args.ingest_inline_bytes,
-                       arrival_decode_window=args.arrival_decode_window)
+        return server_state(args, engine_process=engine, info=info)
+    model = resolve_model(args.path)
+    return server_state(args, llm=build_ready_llm(model, args), name=model.name)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +85,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, HTTP and parsing in this one (default: on "
                              "with a CUDA engine, off on the CPU)")
+    parser.add_argument("--api-server-count", type=int, default=1,
+                        help="API processes sharing the port in front of the one engine process (vLLM's "
+                             "flag); above 1 the engine runs in its own process")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch CPU threads in the server process (default: 1 with a GPU engine, "
                              "torch's default on the CPU)")
@@ -130,35 +107,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--seed", type=int, default=0)
 
 
-def _graceful_server_cls():
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """uvicorn re-raises SIGTERM/SIGINT after its shutdown (the process then dies of the signal);
-        here a signal only starts the graceful shutdown, and the process exits 0 after it."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return GracefulServer
-
-
 def serve(args: argparse.Namespace) -> int:
     """Load the engine and serve until a signal; 0 on a clean shutdown."""
-    import uvicorn
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        if args.engine_process is False:
+            raise ValueError("--api-server-count above 1 needs the engine in its own process "
+                             "(drop --no-engine-process)")
+        return serve_with_api_servers(args)
     state = load_server_state(args)
     logger.info("serving %s as %r on http://%s:%d", args.path, state.model_name, args.host, args.port)
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
-                            limit_concurrency=None, access_log=False)
-    _graceful_server_cls()(config).run()
+    graceful_server(uvicorn_config(build_app(state), args)).run()
     return 0

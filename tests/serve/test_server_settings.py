@@ -26,3 +26,6 @@ def test_torch_threads_one_on_a_gpu_server_default_on_cpu_and_as_told():
 def test_ingest_pool_only_by_default_on_a_gpu_server():
     assert default_workers("cpu") == 0
     assert 1 <= default_workers("cuda") <= 8
+    # several API processes share the budget (a share of 0: each parses in its own event loop)
+    assert default_workers("cuda", api_processes=2) == default_workers("cuda") // 2
+    assert default_workers("cuda", api_processes=64) == 0

@@ -1,0 +1,52 @@
+"""The routes' state (`ServerState`) built from `bridge serve`'s flags and an engine, wherever it runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from types import SimpleNamespace
+
+from bridge.serve.app import ServerState
+from bridge.serve.chat import ChatRenderer
+from bridge.serve.engine_build import set_torch_threads
+from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess
+from bridge.serve.ingest import default_workers
+from bridge.serve.inputs import ServeLimits
+from bridge.serve.metrics import ServeMetrics
+from runner.llm import LLM, load_tokenizer
+
+
+def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str | None = None,
+                 engine_process: EngineProcess | None = None, engine_link: EngineLink | None = None,
+                 info: EngineInfo | None = None) -> ServerState:
+    """The routes' state for an engine in this process (`llm`) or in an engine process (`info`, with
+    the `engine_process` this process started or the `engine_link` its parent handed it)."""
+    limits = ServeLimits(max_prompts=args.max_prompts_per_request, max_n=args.max_n,
+                         max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
+                         enable_prompt_embeds=args.enable_prompt_embeds)
+    metrics = ServeMetrics()
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    media_dir = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
+    if llm is None:
+        assert info is not None
+        set_torch_threads(args, info.device_type)
+        tokenizer = load_tokenizer(info.llm_dir)
+        encoders = {m: SimpleNamespace(placeholder=token) for m, token in info.placeholders.items()}
+        name = info.model_name
+        device_type, hidden_size, max_model_len = info.device_type, info.hidden_size, info.max_model_len
+    else:
+        tokenizer, encoders = llm.tokenizer, dict(llm.mm.encoders)
+        device_type, hidden_size, max_model_len = llm.device.type, llm.hidden_size, llm.max_model_len
+    chat = ChatRenderer(tokenizer, chat_template=template, encoders=encoders,
+                        allowed_media_dir=media_dir, limits=limits, hidden_size=hidden_size,
+                        max_model_len=max_model_len, metrics=metrics)
+    return ServerState(llm=llm, engine_process=engine_process, engine_link=engine_link, engine_info=info,
+                       tokenizer=tokenizer, model_name=args.served_model_name or name,
+                       model_root=str(args.path),
+                       limits=limits, chat=chat, metrics=metrics, api_key=args.api_key,
+                       max_body_bytes=args.max_request_bytes, max_pending=args.max_pending_requests,
+                       drain_timeout_s=args.shutdown_timeout,
+                       ingest_workers=(default_workers(device_type, api_processes=args.api_server_count)
+                                       if args.ingest_workers is None else args.ingest_workers),
+                       ingest_inline_bytes=args.ingest_inline_bytes,
+                       arrival_decode_window=args.arrival_decode_window)

@@ -1,0 +1,92 @@
+"""`bridge serve --api-server-count 2`: two API processes share the port in front of one engine process.
+
+One server for the module: 32 concurrent streaming requests (token ids and prompt embeds, spread by
+the kernel over both API processes) equal the same requests run offline, and they were batched
+together by the one engine; /metrics, whichever process answers it, adds both processes' counters;
+a client that disconnects still frees its blocks; SIGTERM to the parent drains both API processes,
+ends the engine and exits 0 with no child left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import httpx
+import pytest
+import torch
+from serve_helpers import ServerProcess, still_running
+
+from runner.sampling_params import SamplingParams
+
+GREEDY = {"temperature": 0.0, "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def two_api_server(tiny_text_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve_logs") / "two_api_server.log"
+    server = ServerProcess(tiny_text_model, log, "--api-server-count", "2", "--enable-prompt-embeds",
+                           "--dtype", "float32", "--max-model-len", "128", "--num-kv-blocks", "160",
+                           "--max-num-seqs", "32", "--max-num-batched-tokens", "256")
+    children = server.children()
+    yield server, children
+    if server.proc.poll() is None:
+        assert server.stop() == 0, server.log()
+
+
+def _payload(t: torch.Tensor) -> str:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_two_api_processes_serve_one_engine_and_drain_on_sigterm(two_api_server, offline_llm):
+    server, children = two_api_server
+    assert len(children) >= 3, children  # the engine process, two API processes (and a resource tracker)
+    table = offline_llm.runner.embed_tokens.weight.detach()
+    prompts = []
+    for i in range(32):
+        ids = [10 + i, 20 + (i * 7) % 200, 30 + (i * 13) % 200]
+        prompts.append({"prompt_token_ids": ids} if i % 2 else {"prompt_embeds": table[ids].clone()})
+    params = SamplingParams(**GREEDY)
+    offline = offline_llm.generate(prompts, params, use_tqdm=False)
+    want = [o.outputs[0].text for o in offline]
+
+    async def one(http: httpx.AsyncClient, prompt: dict) -> str:
+        if "prompt_embeds" in prompt:
+            body = {"prompt_embeds": _payload(prompt["prompt_embeds"])}
+        else:
+            body = {"prompt": prompt["prompt_token_ids"]}
+        text = ""
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True, **GREEDY}) as resp:
+            assert resp.status_code == 200, await resp.aread()
+            async for line in resp.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def run_all() -> list[str]:
+        limits = httpx.Limits(max_connections=32)  # one connection each: the kernel spreads them
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+            return await asyncio.gather(*(one(http, p) for p in prompts))
+
+    assert asyncio.run(asyncio.wait_for(run_all(), timeout=180)) == want
+    m = server.wait_idle()
+    # counters of both API processes, added up by whichever answered /metrics
+    assert m['bridge:http_requests_total{route="/v1/completions",status="200"}'] == 32
+    assert m["bridge:prompt_tokens_total"] == 32 * 3
+    generated = sum(len(o.outputs[0].token_ids) for o in offline)
+    assert m["bridge:generation_tokens_total"] == generated
+    assert m["bridge:engine_step_seconds_count"] < generated  # the requests shared steps
+
+    # a client that leaves mid-stream: its request is aborted in the engine and its blocks come back
+    body = {"prompt": [5, 6, 7], "stream": True, "max_tokens": 100, "ignore_eos": True, "temperature": 0.0}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert any(line.startswith("data: ") for line, _ in zip(resp.iter_lines(), range(3)))
+    server.wait_idle()
+
+    assert server.stop() == 0, server.log()
+    assert not still_running(children), "a child process outlived the server"
