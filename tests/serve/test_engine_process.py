@@ -41,11 +41,12 @@ def test_a_dead_engine_fails_live_requests_and_refuses_new_ones(tiny_text_model)
     assert info.hidden_size > 0 and info.max_model_len == 1024
 
     async def scenario() -> None:
-        front = RemoteEngineLoop(engine, info, max_pending=8, metrics=ServeMetrics())
+        front = RemoteEngineLoop(engine.links[0], info, max_pending=8, metrics=ServeMetrics(),
+                                 on_finish=engine.join)
         front.start()
         params = [SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)]
         prompt = {"prompt_token_ids": [5, 6, 7]}
-        queue, lens = await front.submit([prompt], params, ["long"], stream_text=False)
+        queue, lens = await asyncio.wait_for(front.submit([prompt], params, ["long"], stream_text=False), 60)
         assert lens == [3]
         first = await asyncio.wait_for(queue.get(), timeout=60)
         assert first.new_token_ids  # it runs in the other process
@@ -57,7 +58,8 @@ def test_a_dead_engine_fails_live_requests_and_refuses_new_ones(tiny_text_model)
             assert not item.finished
         assert not front.healthy and front.num_live == 0
         with pytest.raises(EngineFailed):
-            await front.submit([{"prompt_token_ids": [5]}], params, ["late"], stream_text=False)
+            late = front.submit([{"prompt_token_ids": [5]}], params, ["late"], stream_text=False)
+            await asyncio.wait_for(late, 10)
         await asyncio.wait_for(front.stop(timeout=1), timeout=60)
 
     asyncio.run(scenario())
