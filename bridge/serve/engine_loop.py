@@ -65,7 +65,8 @@ class Submission:
     future: asyncio.Future | None = None
     check_context: bool = True
     prompt_lens: list[int] = field(default_factory=list)
-    token: int = 0  # names the submission across the engine process's pipe
+    token: int = 0  # names the submission across the engine process's pipe (sent without its future)
+    owner: int = 0  # which API process sent it there (its connection's index)
     mm_items: int = 0  # media items in its prompts, and how many the encoder cache had (set by the tick)
     mm_hits: int = 0
 
@@ -80,7 +81,6 @@ class TickOutcome:
     step_error: str | None = None  # the exception's type name: the step's requests were aborted
     mm_items: int = 0
     mm_hits: int = 0
-    aborted: int = 0
     aborted_ids: list[str] = field(default_factory=list)
     admit_s: float | None = None  # None: nothing was submitted
     step_s: float | None = None  # None: no step ran (or it failed)
@@ -102,7 +102,6 @@ class EngineTicker:
                                          if arrival_decode_window is None else max(1, arrival_decode_window))
         self.processor = llm.processor
         self.max_model_len = llm.max_model_len
-        self.num_steps = 0
         self._builds_seen = self._compiles.count if self._compiles is not None else 0
         trace = os.environ.get(TICK_TRACE_ENV)
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in close()
@@ -153,7 +152,6 @@ class EngineTicker:
                 logger.warning("a submission failed validation with %s", type(exc).__name__, exc_info=True)
                 added.append((sub, ValueError(f"the prompt could not be processed ({type(exc).__name__})")))
         aborted_ids = [rid for rid in aborts if self.core.abort(rid) is not None]
-        aborted = len(aborted_ids)
         admitted = time.perf_counter() - started
         deltas: list[RequestDelta] = []
         error = None
@@ -163,7 +161,6 @@ class EngineTicker:
             stepped = time.perf_counter()
             try:
                 deltas = self.core.step()
-                self.num_steps += 1
                 step_s = time.perf_counter() - stepped
                 self._report_builds()
             except Exception as exc:  # noqa: BLE001 - the loop must survive; its requests are aborted
@@ -180,7 +177,7 @@ class EngineTicker:
                 "window": self.core.decode_window, "running": len(s.running), "waiting": len(s.waiting),
                 "deltas": len(deltas), "finished": sum(d.finished for d in deltas),
                 "builds": compiles.count if compiles is not None else 0}) + "\n")
-        return TickOutcome(added, deltas, self.snapshot(), error, items, hits, aborted, aborted_ids,
+        return TickOutcome(added, deltas, self.snapshot(), error, items, hits, aborted_ids,
                            admitted if subs else None, step_s)
 
     def _process_one(self, sub: Any) -> list | BaseException:
@@ -225,10 +222,9 @@ class EngineFront:
     `deliver` with each `TickOutcome`; `_finish` is its last word at shutdown.
     """
 
-    def __init__(self, *, max_pending: int, metrics: ServeMetrics, max_model_len: int,
-                 snapshot: EngineSnapshot, arrivals: Arrivals | None = None) -> None:
+    def __init__(self, *, max_pending: int, metrics: ServeMetrics, snapshot: EngineSnapshot,
+                 arrivals: Arrivals | None = None) -> None:
         self.arrivals = arrivals or Arrivals()
-        self.max_model_len = max_model_len
         self.max_pending = max_pending
         self.metrics = metrics
         self._lock = threading.Lock()  # guards the two lists below (handlers append, the driver swaps)
@@ -239,8 +235,7 @@ class EngineFront:
         self._wake: asyncio.Event | None = None
         self._stopping = False
         self._task: asyncio.Task | None = None
-        self.snapshot = snapshot
-        self.num_aborted = 0
+        metrics.set_snapshot(snapshot, 0)  # the engine's gauges from the start, not from the first tick
 
     @property
     def healthy(self) -> bool:
@@ -343,9 +338,8 @@ class EngineFront:
             self.metrics.tick_admit_seconds.observe(result.admit_s)
         if result.step_s is not None:
             self.metrics.step_seconds.observe(result.step_s)
-        if result.aborted:
-            self.num_aborted += result.aborted
-            self.metrics.aborted.inc(result.aborted)
+        if result.aborted_ids:
+            self.metrics.aborted.inc(len(result.aborted_ids))
         for delta in result.deltas:
             queue = self._queues.get(delta.request_id)
             self.metrics.generation_tokens.inc(len(delta.new_token_ids))
@@ -363,7 +357,6 @@ class EngineFront:
                 if queue is not None:
                     queue.put_nowait(failure)
             self._live.clear()
-        self.snapshot = result.snapshot
         self.metrics.mm_items.inc(result.mm_items)
         self.metrics.mm_hits.inc(result.mm_hits)
         self.metrics.set_snapshot(result.snapshot, len(self._live))
@@ -401,8 +394,8 @@ class EngineLoop(EngineFront):
                  arrival_decode_window: int | None = None) -> None:
         self.llm = llm
         self.ticker = EngineTicker(llm, arrival_decode_window=arrival_decode_window)
-        super().__init__(max_pending=max_pending, metrics=metrics, max_model_len=llm.max_model_len,
-                         snapshot=self.ticker.snapshot(), arrivals=arrivals)
+        super().__init__(max_pending=max_pending, metrics=metrics, snapshot=self.ticker.snapshot(),
+                         arrivals=arrivals)
 
     @property
     def core(self):
@@ -411,10 +404,6 @@ class EngineLoop(EngineFront):
     @property
     def full_decode_window(self) -> int:
         return self.ticker.full_decode_window
-
-    @property
-    def num_steps(self) -> int:
-        return self.ticker.num_steps
 
     def _tick(self, subs: list[Submission], aborts: list[str]) -> TickOutcome:
         return self.ticker.tick(subs, aborts, self._arriving())

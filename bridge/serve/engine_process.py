@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import io
 import logging
 import multiprocessing
@@ -62,22 +63,6 @@ class EngineInfo:
     placeholders: dict[str, str]  # modality -> placeholder token text, per registered encoder
     snapshot: EngineSnapshot
     model_name: str
-
-
-@dataclass
-class WireSubmission:
-    """A submission as it crosses the pipe (no future); `prompt_lens` is filled by the tick."""
-
-    token: int
-    prompts: Any
-    params: Any
-    ids: Any
-    stream_text: bool
-    check_context: bool
-    prompt_lens: list[int]
-    owner: int = 0  # which API process sent it (its connection's index)
-    mm_items: int = 0
-    mm_hits: int = 0
 
 
 class _TensorPickler(pickle.Pickler):
@@ -189,7 +174,7 @@ class _Owners:
                 part.mm_hits += sub.mm_hits
         aborted = set(outcome.aborted_ids)
         for owner, ids in aborts.items():
-            parts[owner].aborted = sum(rid in aborted for rid in ids)
+            parts[owner].aborted_ids = [rid for rid in ids if rid in aborted]
         for rid in aborted:
             self.of.pop(rid, None)
         for delta in outcome.deltas:
@@ -228,7 +213,7 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace) ->
         threading.Thread(target=_receive_forever, args=(owner, requests, inbox), daemon=True,
                          name=f"bridge-engine-inbox-{owner}").start()
     owners = _Owners(len(connections))
-    subs: list[WireSubmission] = []
+    subs: list[Submission] = []
     aborts: dict[int, list[str]] = {}
     arriving = [0] * len(connections)
     done: set[int] = set()
@@ -360,8 +345,7 @@ class RemoteEngineLoop(EngineFront):
 
     def __init__(self, link: EngineLink, info: EngineInfo, *, max_pending: int, metrics: ServeMetrics,
                  arrivals: Arrivals | None = None, on_finish: Callable[[], None] | None = None) -> None:
-        super().__init__(max_pending=max_pending, metrics=metrics, max_model_len=info.max_model_len,
-                         snapshot=info.snapshot, arrivals=arrivals)
+        super().__init__(max_pending=max_pending, metrics=metrics, snapshot=info.snapshot, arrivals=arrivals)
         self.link = link
         self.on_finish = on_finish
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -394,9 +378,8 @@ class RemoteEngineLoop(EngineFront):
                 self._next_token += 1
                 sub.token = self._next_token
                 self._sent[sub.token] = sub
-                self._outbox.put(("submit", WireSubmission(sub.token, sub.prompts, sub.params, sub.ids,
-                                                           sub.stream_text, sub.check_context, [],
-                                                           self.link.owner)))
+                sub.owner = self.link.owner
+                self._outbox.put(("submit", dataclasses.replace(sub, future=None)))
             if aborts:
                 self._outbox.put(("abort", aborts))
             count = self.arrivals.count
