@@ -77,7 +77,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, log_path: pathlib.Path):
+def start_server(model_dir: pathlib.Path, args, server_args: str, settings: dict, dtype: str,
+                 log_path: pathlib.Path):
     port = free_port()
     cmd = [sys.executable, "-m", "bridge", "serve", str(model_dir), "--port", str(port),
            "--enable-prompt-embeds", "--dtype", dtype, "--log-level", "warning",
@@ -89,7 +90,7 @@ def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, log_
         cmd += ["--device", "cpu"]
     if args.ingest_workers is not None:
         cmd += ["--ingest-workers", str(args.ingest_workers), "--ingest-inline-bytes", "0"]
-    cmd += shlex.split(args.server_args)
+    cmd += shlex.split(server_args)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     if args.trace:
@@ -203,79 +204,18 @@ def run_clients(url: str, bodies: list[bytes], clients: int, pool=None, procs: i
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
 
 
-# ------------------------------------------------------------------------------------------ main
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU")
-    ap.add_argument("--clients", default=None,
-                    help="comma-separated client counts (GPU 16,64,256; CPU 4,16,32)")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--model-dir", default=None)
-    ap.add_argument("--ingest-workers", type=int, default=None,
-                    help="the server's --ingest-workers (default: its own; 0 parses every body in-process)")
-    ap.add_argument("--server-args", default="",
-                    help="more `bridge serve` flags for an A/B, e.g. '--arrival-decode-window 32'")
-    ap.add_argument("--trace", default=None,
-                    help="append the server's engine ticks here (JSON lines, monotonic clock); each "
-                         "run's client-side request times go in --out")
-    ap.add_argument("--server-runs", type=int, default=2,
-                    help="runs per client level, the best counts (offline: best of 2 after a warm-up)")
-    ap.add_argument("--client-procs", type=int, default=None,
-                    help="client processes the N streams are spread over (default min(8, CPUs/2))")
-    args = ap.parse_args()
-    device, model_dir, dtype = bench_setup(args)
-    clients = [int(c) for c in (args.clients or ("4,16,32" if args.cpu else "16,64,256")).split(",")]
-    dtype_name = "float32" if args.cpu else "bfloat16"
-
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    embed_key, table = None, None
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                if k.endswith("embed_tokens.weight"):
-                    embed_key, table = k, h.get_tensor(k)
-    assert embed_key is not None, "no embedding table"
-
-    n_max = max(max(clients), 32 if args.cpu else 64)
-    ids, prompt_lens, output_lens = (workload(n_max, 16, 96, 32, 32, vocab, seed=1) if args.cpu
-                                     else workload(n_max, 512, 512, 128, 128, vocab, seed=1))
-    embeds = [table[torch.tensor(i)].to(dtype) for i in ids]
-    t0 = time.perf_counter()
-    payloads = [encode_prompt_embeds(e) for e in embeds]
-    encode_s = time.perf_counter() - t0
-    bodies = request_bodies(payloads, output_lens)
-    settings = engine_settings(args, max(p + o for p, o in zip(prompt_lens, output_lens)))
-    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "model": "qwen3 tiny" if args.cpu else "Qwen3-0.6B-shaped (random bf16)",
-                     "engine": settings, "client_encode_seconds_all": encode_s,
-                     "payload_bytes_each": len(payloads[0]), "server_args": args.server_args, "levels": {}}
-
-    log("offline LLM.generate on the same requests")
-    llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device, **settings)
-    sizes = sorted({max(c, 32 if args.cpu else 64) for c in clients})
-    offline_run(llm, embeds[: min(8, n_max)], output_lens[: min(8, n_max)], device)  # warm-up
-    offline = {}
-    for n in sizes:
-        runs = [offline_run(llm, embeds[:n], output_lens[:n], device) for _ in range(2)]
-        offline[n] = max(runs, key=lambda r: r["tok_s"])
-        log(f"  {n} requests: {offline[n]['tok_s']:.0f} tok/s offline")
-    llm.shutdown()
-    del llm
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
+def serve_variant(args, server_args: str, model_dir: pathlib.Path, settings: dict, dtype_name: str,
+                  clients: list[int], bodies: list[bytes], offline: dict, encode_s: float,
+                  n_max: int) -> dict:
+    """One `bridge serve` with `server_args` on top of the benchmark's flags: every client level, its
+    runs, the server's own phase metrics, and the Triton builds it logged."""
     log_path = pathlib.Path(tempfile.gettempdir()) / "bridge_serve_bench.log"
     pool = None
-    # a SIGTERM (a `timeout` around this script) still runs the `finally` below: no server left running
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results: dict = {"server_args": server_args, "levels": {}}
     started = time.perf_counter()
-    proc, url = start_server(model_dir, args, settings, dtype_name, log_path)
+    proc, url = start_server(model_dir, args, server_args, settings, dtype_name, log_path)
     results["server_start_seconds"] = time.perf_counter() - started
-    log(f"server ready in {results['server_start_seconds']:.1f} s ({args.server_args or 'default flags'})")
+    log(f"server ready in {results['server_start_seconds']:.1f} s ({server_args or 'default flags'})")
     try:
         procs = args.client_procs or max(1, min(8, (os.cpu_count() or 2) // 2))
         if procs > 1:
@@ -355,6 +295,84 @@ def main() -> int:
     results["server_kernel_build_log"] = builds[-40:]
     for line in builds[-12:]:
         log(f"  server: {line[-300:]}")
+    return results
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU")
+    ap.add_argument("--clients", default=None,
+                    help="comma-separated client counts (GPU 16,64,256; CPU 4,16,32)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--ingest-workers", type=int, default=None,
+                    help="the server's --ingest-workers (default: its own; 0 parses every body in-process)")
+    ap.add_argument("--server-args", action="append", default=None,
+                    help="more `bridge serve` flags, e.g. --server-args='--api-server-count 4'; given "
+                         "several times, each is a server of its own, run one after the other against "
+                         "the same offline runs (an A/B in one process)")
+    ap.add_argument("--trace", default=None,
+                    help="append the server's engine ticks here (JSON lines, monotonic clock); each "
+                         "run's client-side request times go in --out")
+    ap.add_argument("--server-runs", type=int, default=2,
+                    help="runs per client level, the best counts (offline: best of 2 after a warm-up)")
+    ap.add_argument("--client-procs", type=int, default=None,
+                    help="client processes the N streams are spread over (default min(8, CPUs/2))")
+    args = ap.parse_args()
+    device, model_dir, dtype = bench_setup(args)
+    clients = [int(c) for c in (args.clients or ("4,16,32" if args.cpu else "16,64,256")).split(",")]
+    dtype_name = "float32" if args.cpu else "bfloat16"
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    embed_key, table = None, None
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                if k.endswith("embed_tokens.weight"):
+                    embed_key, table = k, h.get_tensor(k)
+    assert embed_key is not None, "no embedding table"
+
+    n_max = max(max(clients), 32 if args.cpu else 64)
+    ids, prompt_lens, output_lens = (workload(n_max, 16, 96, 32, 32, vocab, seed=1) if args.cpu
+                                     else workload(n_max, 512, 512, 128, 128, vocab, seed=1))
+    embeds = [table[torch.tensor(i)].to(dtype) for i in ids]
+    t0 = time.perf_counter()
+    payloads = [encode_prompt_embeds(e) for e in embeds]
+    encode_s = time.perf_counter() - t0
+    bodies = request_bodies(payloads, output_lens)
+    settings = engine_settings(args, max(p + o for p, o in zip(prompt_lens, output_lens)))
+    results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                     "model": "qwen3 tiny" if args.cpu else "Qwen3-0.6B-shaped (random bf16)",
+                     "engine": settings, "client_encode_seconds_all": encode_s,
+                     "payload_bytes_each": len(payloads[0])}
+
+    log("offline LLM.generate on the same requests")
+    llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device, **settings)
+    sizes = sorted({max(c, 32 if args.cpu else 64) for c in clients})
+    offline_run(llm, embeds[: min(8, n_max)], output_lens[: min(8, n_max)], device)  # warm-up
+    offline = {}
+    for n in sizes:
+        runs = [offline_run(llm, embeds[:n], output_lens[:n], device) for _ in range(2)]
+        offline[n] = max(runs, key=lambda r: r["tok_s"])
+        log(f"  {n} requests: {offline[n]['tok_s']:.0f} tok/s offline")
+    llm.shutdown()
+    del llm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # a SIGTERM (a `timeout` around this script) still runs the `finally`s: no server left running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    variants = args.server_args or [""]
+    results["variants"] = {}
+    for server_args in variants:
+        results["variants"][server_args] = serve_variant(args, server_args, model_dir, settings, dtype_name,
+                                                         clients, bodies, offline, encode_s, n_max)
+    results["levels"] = results["variants"][variants[0]]["levels"]  # serve_trace.py reads the first
     out = args.out
     if out is None and os.environ.get("OUT"):
         out = os.path.join(os.environ["OUT"], "serve_benchmark.json")

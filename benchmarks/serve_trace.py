@@ -24,10 +24,14 @@ def main() -> int:
     with open(args.trace) as f:
         ticks = [json.loads(line) for line in f if line.strip()]
     with open(args.results) as f:
-        levels = json.load(f)["levels"]
-    for level, res in levels.items():
+        data = json.load(f)
+    variants = data.get("variants") or {"": {"levels": data["levels"]}}  # older results: one server
+    runs_of = ((lv, r, v) for v, vres in variants.items() for lv, r in vres["levels"].items())
+    for level, res, variant in runs_of:
         if args.clients is not None and level != args.clients:
             continue
+        if variant:
+            print(f"server flags: {variant}")
         for k, run in enumerate(res.get("runs", [])):
             t0, reqs = run["start_at"], run["requests_sent_first_last"]
             end = max(r[2] for r in reqs)

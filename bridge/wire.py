@@ -20,15 +20,20 @@ be made on metadata is made before any bytes are materialised:
 
 Every rejection is a `ValueError` whose message says what was wrong, bounded in length (it may
 quote caller data): a 4xx at the server.
+
+base64 goes through pybase64 (SIMD; what vLLM decodes the same payloads with): the standard
+library's `b64decode(validate=True)` took 3.6 of the 5.3 ms a W1 request's 1.4 MB payload cost
+a server on an H200 host, pybase64 about 0.1 ms. Its validation is the same alphabet, and stricter
+about padding (excess `=` is refused).
 """
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import math
 
+import pybase64
 import torch
 
 from bridge.wire_archive import inspect_torch_archive, shown, shown_message
@@ -54,7 +59,7 @@ def encode_prompt_embeds(tensor: torch.Tensor) -> str:
     dense = dense.clone(memory_format=torch.contiguous_format)
     buffer = io.BytesIO()
     torch.save(dense, buffer)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return pybase64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _decode_base64(data: str | bytes | bytearray, max_payload: int) -> bytes:
@@ -68,7 +73,7 @@ def _decode_base64(data: str | bytes | bytearray, max_payload: int) -> bytes:
             f"{max_payload} bytes"
         )
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as err:
         raise ValueError(shown_message(f"prompt_embeds is not valid base64: {err}")) from None
     if len(raw) > max_payload:

@@ -15,7 +15,6 @@ tensor payload (rows already in the LLM's hidden space; needs `--enable-prompt-e
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import io
 import wave
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pybase64
 import torch
 from PIL import Image
 
@@ -49,7 +49,7 @@ NO_TEMPLATE = ("this model's tokenizer has no chat template; start the server wi
 
 def _b64(data: str, where: str) -> bytes:
     try:
-        return base64.b64decode(data, validate=True)
+        return pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, f"{where}: not valid base64", param=where) from None
 
