@@ -11,7 +11,14 @@ the eager prefill path every launch also costs 50-70 us of Python on the host. H
          -> o_proj GEMM with the residual add as its epilogue (addmm) -> norm -> gate/up GEMM
          -> SiLU*mul -> down_proj GEMM with the residual add as its epilogue
 
-nine launches, one of them (`qkv_norm_rope_write`) new.
+nine launches, one of them (`qkv_norm_rope_write`) new. Decode-sized steps (at most
+`NORM_GEMM_MAX_ROWS` tokens, bf16/fp16) fold each norm into the GEMM after it and that GEMM's
+epilogue kernel into the GEMM (`runner.layers.norm_gemm`):
+
+    [norm -> q/k/v GEMM -> q_norm, k_norm, rotary, K/V cache write] -> paged attention
+         -> o_proj addmm -> [norm -> gate/up GEMM -> SiLU*mul] -> down_proj addmm
+
+five launches (attention counted as one; the two addmm stay cuBLAS).
 
 How: the layer's modules, weights, loading and `state_dict` stay Hugging Face's; only the bound
 `forward` of each fusable layer instance is replaced, and the replacement takes the fused path
@@ -21,12 +28,14 @@ everywhere else. It needs `runner.layers.fused_linear` to have merged q/k/v and 
 Numerics: the norms round like Hugging Face's (fp32 statistics, round to the input dtype, times
 the weight); rotary runs in fp32 and rounds once (as `runner.layers.fused_ops`); the residual adds are
 accumulated in the GEMM, so they round once instead of twice. In fp32 that is HF's arithmetic up
-to summation order.
+to summation order. The norm-GEMM kernels keep every rounding point of the sequences they replace
+(the GEMM output rounded to the activation dtype before its epilogue); only summation orders differ.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +46,7 @@ from runner.layers.attention_metadata import current_forward_context
 from runner.layers.fused_linear import silu_mul
 from runner.layers.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
 from runner.layers.hf_attention import get_attention_backend
+from runner.layers.norm_gemm import head_rmsnorm, norm_gate_up_silu, norm_gemm_supported, norm_qkv_rope_write
 from runner.layers.paged_attention import paged_attention
 
 FUSABLE_LAYER_CLASSES = frozenset(
@@ -47,19 +57,33 @@ FUSABLE_LAYER_CLASSES = frozenset(
 FUSED_LAYERS_ON_CPU = False
 
 
+def _norm_gemm_max_rows(default: int = 64) -> int:
+    value = os.environ.get("BRIDGE_NORM_GEMM_MAX_ROWS")
+    if value is None:
+        return default
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"BRIDGE_NORM_GEMM_MAX_ROWS must be an int >= 0, got {value[:40]!r}")
+    return rows
+
+
+# Steps of at most this many tokens (decode batches) run each norm + projection + epilogue as one kernel
+# (`runner.layers.norm_gemm`); larger ones keep rms_norm + cuBLAS + the epilogue kernel. Measured on an
+# H200 on W1's shapes (`benchmarks/norm_gemm.py`, us per call in one CUDA graph, fused vs the three
+# launches): q/k/v 8.1-9.1 vs 10.4-10.8 up to M = 64, 16.3 vs 11.1 at 128 (each program normalises its
+# own rows); gate/up 7.1-8.3 vs 9.4-9.8 up to M = 32 but 10.5 vs 10.1 at 64, so gate/up stops at
+# NORM_GATE_UP_MAX_ROWS. 0 disables both. The environment variable BRIDGE_NORM_GEMM_MAX_ROWS, read at
+# import, overrides the default (A/B runs in subprocesses).
+NORM_GEMM_MAX_ROWS = _norm_gemm_max_rows()
+NORM_GATE_UP_MAX_ROWS = 32
+# Like FUSED_LAYERS_ON_CPU, for the norm-GEMM kernels (tests, under TRITON_INTERPRET=1).
+NORM_GEMM_ON_CPU = False
+
+
 # ------------------------------------------------------------------------------- q/k/v -> q and KV cache
-
-@triton.jit
-def _head_rmsnorm(x1, x2, w_ptr, d, eps, HALF: tl.constexpr, DTYPE: tl.constexpr):
-    """RMSNorm of head rows split in halves (x1 | x2), HF rounding: round(x * rstd) * w, rounded."""
-    var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
-    rstd = tl.rsqrt(var + eps)[:, None]
-    w1 = tl.load(w_ptr + d).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
-    y1 = ((x1 * rstd).to(DTYPE).to(tl.float32) * w1).to(DTYPE).to(tl.float32)
-    y2 = ((x2 * rstd).to(DTYPE).to(tl.float32) * w2).to(DTYPE).to(tl.float32)
-    return y1, y2
-
 
 @triton.jit
 def _qkv_norm_rope_write_kernel(
@@ -83,7 +107,7 @@ def _qkv_norm_rope_write_kernel(
     x1 = tl.load(row + hq * (2 * HALF) + d, mask=mq, other=0.0).to(tl.float32)
     x2 = tl.load(row + hq * (2 * HALF) + HALF + d, mask=mq, other=0.0).to(tl.float32)
     if HAS_NORM:
-        x1, x2 = _head_rmsnorm(x1, x2, q_norm_ptr, d, eps, HALF, dtype)
+        x1, x2 = head_rmsnorm(x1, x2, q_norm_ptr, d, eps, HALF, dtype)
     q_row = q_out_ptr + t * stride_qo + hq * (2 * HALF)
     tl.store(q_row + d, (x1 * c1 - x2 * s1).to(q_out_ptr.dtype.element_ty), mask=mq)
     tl.store(q_row + HALF + d, (x2 * c2 + x1 * s2).to(q_out_ptr.dtype.element_ty), mask=mq)
@@ -98,7 +122,7 @@ def _qkv_norm_rope_write_kernel(
     y1 = tl.load(k_base + d, mask=in_k, other=0.0).to(tl.float32)
     y2 = tl.load(k_base + HALF + d, mask=in_k, other=0.0).to(tl.float32)
     if HAS_NORM:
-        y1, y2 = _head_rmsnorm(y1, y2, k_norm_ptr, d, eps, HALF, dtype)
+        y1, y2 = head_rmsnorm(y1, y2, k_norm_ptr, d, eps, HALF, dtype)
     k_dst = k_cache_ptr + blk * stride_kb + off * stride_ks + hk * stride_kh
     tl.store(k_dst + d, (y1 * c1 - y2 * s1).to(k_cache_ptr.dtype.element_ty), mask=write)
     tl.store(k_dst + HALF + d, (y2 * c2 + y1 * s2).to(k_cache_ptr.dtype.element_ty), mask=write)
@@ -227,24 +251,36 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     head_dim = attn.head_dim
     x = hidden_states[0]
 
-    norm = layer.input_layernorm
-    h = rms_norm(x, norm.weight, norm.variance_epsilon)
-    qkv = F.linear(h, attn.bridge_qkv_weight, attn.bridge_qkv_bias)
+    norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
     qk_norm = None
     if getattr(attn, "q_norm", None) is not None:
         qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon)
-    q = qkv_norm_rope_write(
-        qkv, attn.bridge_qkv_sizes[0] // head_dim, attn.bridge_qkv_sizes[1] // head_dim, cos[0], sin[0],
-        key_cache, value_cache, meta.slot_mapping, qk_norm,
-    )
+    n_q, n_kv = attn.bridge_qkv_sizes[0] // head_dim, attn.bridge_qkv_sizes[1] // head_dim
+    # A decode-sized step: norm + GEMM + epilogue as one kernel each (runner.layers.norm_gemm).
+    norm_gemm = (t <= NORM_GEMM_MAX_ROWS and (x.is_cuda or NORM_GEMM_ON_CPU) and norm_gemm_supported(
+        x, norm.weight, post_norm.weight, attn.bridge_qkv_weight, attn.bridge_qkv_bias,
+        mlp.bridge_gate_up_weight))
+    if norm_gemm:
+        q = norm_qkv_rope_write(
+            x, norm.weight, norm.variance_epsilon, attn.bridge_qkv_weight, attn.bridge_qkv_bias, n_q, n_kv,
+            cos[0], sin[0], key_cache, value_cache, meta.slot_mapping, qk_norm,
+        )
+    else:
+        h = rms_norm(x, norm.weight, norm.variance_epsilon)
+        qkv = F.linear(h, attn.bridge_qkv_weight, attn.bridge_qkv_bias)
+        q = qkv_norm_rope_write(
+            qkv, n_q, n_kv, cos[0], sin[0], key_cache, value_cache, meta.slot_mapping, qk_norm,
+        )
     o = paged_attention(q, key_cache, value_cache, meta, attn.scaling, backend=get_attention_backend(),
                         sliding_window=layer_sliding_window(attn))
     x = _linear_plus_residual(x, o.view(t, -1), attn.o_proj)
 
-    norm = layer.post_attention_layernorm
-    h = rms_norm(x, norm.weight, norm.variance_epsilon)
+    if norm_gemm and t <= NORM_GATE_UP_MAX_ROWS:
+        act = norm_gate_up_silu(x, post_norm.weight, post_norm.variance_epsilon, mlp.bridge_gate_up_weight)
+    else:
+        h = rms_norm(x, post_norm.weight, post_norm.variance_epsilon)
+        act = silu_mul(F.linear(h, mlp.bridge_gate_up_weight))
     # x is this layer's own tensor now (the o_proj sum), so the second residual add can go in place.
-    act = silu_mul(F.linear(h, mlp.bridge_gate_up_weight))
     x = _linear_plus_residual(x, act, mlp.down_proj, inplace=True)
     return x.unsqueeze(0)
 

@@ -1,0 +1,115 @@
+"""Decode speed by batch size, with the norm-GEMM kernels on and off, side by side in one run.
+
+Why: `runner.layers.norm_gemm` folds each RMSNorm into the projection after it for steps of at most
+`NORM_GEMM_MAX_ROWS` tokens (q/k/v) and `NORM_GATE_UP_MAX_ROWS` (gate/up). Its win is largest at small
+batches (a low-concurrency server, one user), which W1 (64 requests) does not show, so this measures
+the whole engine at several batch sizes: W1's model, prompts of 512 token ids, 128 greedy tokens.
+
+One command, GPU (about a minute on an H200):
+
+    python benchmarks/decode_batches.py [--batches 1,8,32,64] [--repeats 3] [--out results.json]
+
+Each side runs in its own process (the switch, `BRIDGE_NORM_GEMM_MAX_ROWS`, is read at import): one
+warm-up call per batch size, then the median of `--repeats` timed calls. Reported per batch size:
+output tok/s and ms per decode step for both sides, their ratio, and whether the greedy tokens agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+for path in (REPO, REPO / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+SIDES = {"off": "0", "on": None}  # None: the engine's default (on)
+
+
+def child(args) -> int:
+    import torch
+    from generate import bench_setup, run_bridge, workload
+    from transformers import AutoConfig
+
+    from runner.llm import LLM
+
+    device, model_dir, dtype = bench_setup(args)
+    batches = [int(b) for b in args.batches.split(",")]
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    ids, _, output_lens = workload(max(batches), 512, 512, 128, 128, vocab, seed=3)
+    started = time.perf_counter()
+    llm = LLM(model_dir, dtype=dtype, device=device, max_num_seqs=max(batches), max_model_len=1024,
+              gpu_memory_utilization=0.85)
+    out = {"construct_s": time.perf_counter() - started, "batches": {}}
+    for b in batches:
+        prompts = [{"prompt_token_ids": i} for i in ids[:b]]
+        run_bridge(llm, prompts, output_lens[:b], device)  # warm-up
+        runs = [run_bridge(llm, prompts, output_lens[:b], device) for _ in range(args.repeats)]
+        tok_s = statistics.median(r["tok_s"] for r in runs)
+        out["batches"][str(b)] = {"tok_s": tok_s, "ms_per_step": 1e3 * b / tok_s,
+                                  "runs": [r["tok_s"] for r in runs],
+                                  "builds": sum(r["kernel_builds"] for r in runs),
+                                  "tokens": runs[-1]["tokens"]}
+    out["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print("RESULT " + json.dumps(out))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU (a smoke run; no kernels)")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    results = {}
+    for side, value in SIDES.items():
+        env = dict(os.environ)
+        env.pop("BRIDGE_NORM_GEMM_MAX_ROWS", None)
+        if value is not None:
+            env["BRIDGE_NORM_GEMM_MAX_ROWS"] = value
+        cmd = [sys.executable, __file__, "--child", "--batches", args.batches, "--repeats", str(args.repeats)]
+        cmd += ["--cpu"] if args.cpu else []
+        cmd += ["--model-dir", args.model_dir] if args.model_dir else []
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"the {side} side failed")
+        results[side] = json.loads(lines[-1][len("RESULT "):])
+    print(f"device: {results['on']['device']}; construction off {results['off']['construct_s']:.1f} s, "
+          f"on {results['on']['construct_s']:.1f} s")
+    print("| batch | off tok/s | on tok/s | off ms/step | on ms/step | on / off | tokens equal | builds |")
+    print("|---:|---:|---:|---:|---:|---:|---|---|")
+    table = {}
+    for b in args.batches.split(","):
+        off, on = results["off"]["batches"][b], results["on"]["batches"][b]
+        same = off["tokens"] == on["tokens"]
+        table[b] = {"off": {k: v for k, v in off.items() if k != "tokens"},
+                    "on": {k: v for k, v in on.items() if k != "tokens"},
+                    "ratio": on["tok_s"] / off["tok_s"], "tokens_equal": same}
+        print(f"| {b} | {off['tok_s']:,.0f} | {on['tok_s']:,.0f} | {off['ms_per_step']:.3f} | "
+              f"{on['ms_per_step']:.3f} | {on['tok_s'] / off['tok_s']:.3f} | {same} | "
+              f"{off['builds']}/{on['builds']} |")
+    out = args.out
+    if out is None and os.environ.get("OUT"):
+        out = os.path.join(os.environ["OUT"], "decode_batches.json")
+    if out:
+        summary = {"device": results["on"]["device"], "batches": table}
+        pathlib.Path(out).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
