@@ -6,12 +6,15 @@ process that receives, parses and forwards them (about 2.8 ms per 1.9 MB request
 hands each connection to one of them) and each talks to the engine over its own pair of pipes, so
 ingest runs N-wide while the engine still batches every request together.
 
-Layout: this (parent) process starts the engine process, binds the socket, starts the N API
-processes and then only watches. SIGTERM or SIGINT to it is passed to every API process, which drains
-as a single server does (stops accepting, lets its running requests finish within
+Layout: this (parent) process launches the engine process, binds the socket, starts the N API
+processes while the engine builds (their imports take seconds each, as long as a small engine's
+build), hands each the engine's description once it is ready, and then only watches. A port already
+taken fails at once, not after the build. SIGTERM or SIGINT to it is passed to every API process, which
+drains as a single server does (stops accepting, lets its running requests finish within
 `--shutdown-timeout`, aborts the rest) and tells the engine it is done; the engine process ends when
-all of them have; the parent exits 0. If an API process dies, the others are stopped and the parent
-exits 1: a server that silently lost a share of its connections would be worse.
+all of them have; the parent exits 0, also when the signal came while API processes were still
+starting. If an API process dies, the others are stopped and the parent exits 1: a server that
+silently lost a share of its connections would be worse.
 
 Metrics: each API process keeps its own; prometheus-client's multiprocess mode (a directory the
 parent makes and removes) lets `/metrics` on any of them report the sum (see `metrics.py`).
@@ -39,13 +42,29 @@ logger = logging.getLogger("bridge.serve")
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def api_server_main(index: int, args: argparse.Namespace, info: EngineInfo, link: EngineLink,
-                    sock: Any) -> None:
-    """One API process: the same app as a single server, over its link to the engine process."""
+def api_server_main(index: int, args: argparse.Namespace, link: EngineLink, sock: Any, ready: Any) -> None:
+    """One API process: the same app as a single server, over its link to the engine process.
+
+    Started while the engine builds: it waits on `ready` (a pipe from the parent) for the engine's
+    `EngineInfo`, or None (the engine failed, or the server is stopping): then it ends quietly."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
+    try:
+        info = ready.recv()
+    except (EOFError, KeyboardInterrupt):
+        info = None
+    finally:
+        ready.close()
+    if info is None:
+        return
     state = server_state(args, engine_link=link, info=info)
     graceful_server(uvicorn_config(build_app(state), args)).run(sockets=[sock])
+
+
+def _stopped_by(exitcode: int | None, stopping: bool) -> bool:
+    """Whether an API process ended as it should: 0, or killed by the SIGTERM/SIGINT the parent passed
+    on while it was still starting (before uvicorn's handlers were in place)."""
+    return exitcode == 0 or (stopping and exitcode in (-signal.SIGTERM, -signal.SIGINT))
 
 
 def serve_with_api_servers(args: argparse.Namespace) -> int:
@@ -55,27 +74,28 @@ def serve_with_api_servers(args: argparse.Namespace) -> int:
     count = args.api_server_count
     metrics_dir = tempfile.mkdtemp(prefix="bridge-metrics-")
     os.environ[METRICS_DIR_ENV] = metrics_dir  # inherited by the processes started below
-    engine = EngineProcess(args, api_processes=count)
-    try:
-        info = engine.start()
+    ctx = multiprocessing.get_context("spawn")
+    try:  # first, so that a port already taken fails before anything starts
+        sock = uvicorn.Config(app=None, host=args.host, port=args.port).bind_socket()
     except BaseException:
         shutil.rmtree(metrics_dir, ignore_errors=True)
         raise
-    sock = uvicorn.Config(app=None, host=args.host, port=args.port).bind_socket()
-    ctx = multiprocessing.get_context("spawn")
-    apis = [ctx.Process(target=api_server_main, name=f"bridge-api-{i}", args=(i, args, info, link, sock))
-            for i, link in enumerate(engine.links)]
+    engine = EngineProcess(args, api_processes=count)
+    engine.launch()
+    ready_pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
+    apis = [ctx.Process(target=api_server_main, name=f"bridge-api-{i}", args=(i, args, link, sock, recv))
+            for i, (link, (recv, _)) in enumerate(zip(engine.links, ready_pipes))]
     for process in apis:
         process.start()
     sock.close()
     for link in engine.links:  # the API processes hold their own ends now
         link.requests.close()
         link.outcomes.close()
-    logger.info("serving %s as %r on http://%s:%d with %d API processes (pids %s) and engine process %d",
-                args.path, args.served_model_name or info.model_name, args.host, args.port, count,
-                [p.pid for p in apis], engine.process.pid)
+    for recv, _ in ready_pipes:
+        recv.close()
 
     stopping = False
+    engine_ready = False
 
     def stop(signum, _frame) -> None:
         nonlocal stopping
@@ -85,13 +105,33 @@ def serve_with_api_servers(args: argparse.Namespace) -> int:
             for process in apis:
                 if process.is_alive():
                     os.kill(process.pid, signal.SIGTERM)
+            if not engine_ready:  # still building (it ignores SIGTERM): nothing of it to drain
+                engine.process.kill()
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     failed = False
     try:
+        try:
+            info = engine.wait_ready()
+        except BaseException:
+            for _, send in ready_pipes:
+                _tell(send, None)
+            for process in apis:
+                process.join(30)
+                if process.is_alive():
+                    process.kill()
+            if stopping:  # a signal during start-up: a clean stop, not a failed build
+                return 0
+            raise
+        engine_ready = True
+        for _, send in ready_pipes:
+            _tell(send, None if stopping else info)
+        logger.info("serving %s as %r on http://%s:%d with %d API processes (pids %s) and engine process %d",
+                    args.path, args.served_model_name or info.model_name, args.host, args.port, count,
+                    [p.pid for p in apis], engine.process.pid)
         while any(p.is_alive() for p in apis):
             time.sleep(0.2)
-            dead = [p for p in apis if not p.is_alive() and p.exitcode != 0]
+            dead = [p for p in apis if not p.is_alive() and not _stopped_by(p.exitcode, stopping)]
             if dead and not stopping:
                 failed = True
                 logger.error("API process %s exited with %s; stopping the server", dead[0].name,
@@ -107,5 +147,16 @@ def serve_with_api_servers(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    codes = [p.exitcode for p in apis]
-    return 1 if failed or any(codes) or engine.process.exitcode else 0
+    clean = all(_stopped_by(p.exitcode, stopping) for p in apis)
+    return 1 if failed or not clean or engine.process.exitcode else 0
+
+
+def _tell(send: Any, info: EngineInfo | None) -> None:
+    """Hand one API process the engine's description (None: end), then close the pipe; an API process
+    that already died leaves a broken pipe, which the watch loop then reports."""
+    try:
+        send.send(info)
+    except (BrokenPipeError, OSError):
+        pass
+    finally:
+        send.close()

@@ -189,9 +189,10 @@ class _Owners:
         return parts
 
 
-def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace) -> None:
-    """The engine process: build the LLM as `bridge serve` does, then tick until every API process
-    (one `(requests, outcomes)` pipe pair each) has said stop or gone."""
+def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, status: Any) -> None:
+    """The engine process: build the LLM as `bridge serve` does, say "ready" (or "failed") on `status`
+    to the process that started it, then tick until every API process (one `(requests, outcomes)` pipe
+    pair each) has said stop or gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API decides
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(),
@@ -202,12 +203,13 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace) ->
         llm = build_ready_llm(model, args)
     except BaseException as exc:  # noqa: BLE001 - reported to the API process, which exits with it
         logger.exception("the engine could not be built")
-        _send(outcomes[0], ("failed", (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"[:2000])))
+        _send(status, ("failed", (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"[:2000])))
         return
     ticker = EngineTicker(llm, arrival_decode_window=args.arrival_decode_window)
     placeholders = {m: placeholder_token(m, enc) for m, enc in llm.mm.encoders.items()}
-    _send(outcomes[0], ("ready", EngineInfo(str(model.llm_dir), llm.hidden_size, llm.max_model_len,
-                                            llm.device.type, placeholders, ticker.snapshot(), model.name)))
+    _send(status, ("ready", EngineInfo(str(model.llm_dir), llm.hidden_size, llm.max_model_len,
+                                       llm.device.type, placeholders, ticker.snapshot(), model.name)))
+    status.close()
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     for owner, (requests, _) in enumerate(connections):
         threading.Thread(target=_receive_forever, args=(owner, requests, inbox), daemon=True,
@@ -292,24 +294,37 @@ class EngineProcess:
             self.links.append(EngineLink(requests, outcomes, owner))
             engine_ends.append((requests_recv, outcomes_send))
         self._engine_ends = engine_ends
-        self.process = ctx.Process(target=engine_main, name="bridge-engine", args=(engine_ends, args))
+        # ready / failed come on a pipe of their own: the link pipes may already be in API processes
+        self._status, self._status_send = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=engine_main, name="bridge-engine",
+                                   args=(engine_ends, args, self._status_send))
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> EngineInfo:
-        """Start the process and wait until its engine is built. Raises what building it raised: a
-        ValueError (a bad path or option, which `bridge serve` prints as one line) as a ValueError,
-        anything else as a RuntimeError with its type and message."""
+        """Start the process and wait until its engine is built (`launch`, then `wait_ready`)."""
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the process; it builds the engine while this process goes on (API processes start
+        meanwhile: their imports overlap the engine's build and warm-up)."""
         self.process.start()
         for requests_recv, outcomes_send in self._engine_ends:
             requests_recv.close()
             outcomes_send.close()
-        first = self.links[0].outcomes
+        self._status_send.close()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> EngineInfo:
+        """Wait until the launched engine is built. Raises what building it raised: a ValueError (a bad
+        path or option, which `bridge serve` prints as one line) as a ValueError, anything else as a
+        RuntimeError with its type and message."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if first.poll(0.5):
+            if self._status.poll(0.5):
                 try:
-                    kind, payload = _recv(first)
+                    kind, payload = _recv(self._status)
                 except EOFError:
                     break
+                self._status.close()
                 if kind == "ready":
                     logger.info("engine process %d ready", self.process.pid)
                     return payload
@@ -318,6 +333,7 @@ class EngineProcess:
                 raise (ValueError if is_value_error else RuntimeError)(message)
             if not self.process.is_alive():
                 break
+        self._status.close()
         self.join(timeout=5)
         raise RuntimeError(f"the engine process exited (code {self.process.exitcode}) before it was ready")
 

@@ -4,7 +4,8 @@ One server for the module: 32 concurrent streaming requests (token ids and promp
 the kernel over both API processes) equal the same requests run offline, and they were batched
 together by the one engine; /metrics, whichever process answers it, adds both processes' counters;
 a client that disconnects still frees its blocks; SIGTERM to the parent drains both API processes,
-ends the engine and exits 0 with no child left behind.
+ends the engine and exits 0 with no child left behind. Start-up: the API processes start while the
+engine builds, a SIGTERM during start-up still exits 0, and a port already taken fails at once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import asyncio
 import base64
 import io
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
@@ -90,3 +96,35 @@ def test_two_api_processes_serve_one_engine_and_drain_on_sigterm(two_api_server,
 
     assert server.stop() == 0, server.log()
     assert not still_running(children), "a child process outlived the server"
+
+
+def test_start_up_overlaps_the_engine_build_and_stops_cleanly_midway(tiny_text_model, tmp_path):
+    """The API processes start while the engine builds (so they are children before the server is
+    ready); a SIGTERM in the middle of start-up stops everything and exits 0, no child left."""
+    server = ServerProcess(tiny_text_model, tmp_path / "early_stop.log", "--api-server-count", "2",
+                           "--dtype", "float32", "--max-model-len", "128", "--num-kv-blocks", "64",
+                           wait=False)
+    deadline = time.monotonic() + 120
+    children: list[int] = []
+    while time.monotonic() < deadline and server.proc.poll() is None:
+        children = server.children()
+        if len(children) >= 3:  # the engine process and both API processes, started together
+            break
+        time.sleep(0.05)
+    assert len(children) >= 3, server.log()
+    assert server.stop(timeout=90) == 0, server.log()
+    assert not still_running(children), "a child process outlived the server"
+
+
+def test_a_port_already_taken_fails_before_the_engine_builds(tiny_text_model, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "bridge", "serve", str(tiny_text_model), "--port", str(port),
+               "--device", "cpu", "--api-server-count", "2", "--log-level", "info"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert "address already in use" in (done.stdout + done.stderr).lower()
+    assert "[engine]" not in done.stdout + done.stderr  # no engine process was started
