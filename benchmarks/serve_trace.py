@@ -4,7 +4,9 @@ Input: the `--trace` file (one JSON line per engine tick, written by the server)
 the same `benchmarks/serve.py` run (each run's start time and every request's sent / first token / last
 token times). Both use the host's monotonic clock, so the ticks line up with the runs. Shows where a
 served run loses time against offline: before the first admission (HTTP and parsing), admission
-ticks, slow steps (a step that built a kernel shows as one long tick), the decode windows.
+ticks, slow steps (a step that built a kernel shows as one long tick), the decode windows. For each
+tick that admitted requests: when the first and last of them arrived at the API process, were parsed
+and submitted, and reached the engine process (newer traces only).
 
     python3 benchmarks/serve_trace.py /tmp/ticks.jsonl /tmp/serve.json [--clients 64]
 """
@@ -42,11 +44,14 @@ def main() -> int:
                   f"first tokens {min(first):.3f}-{max(first):.3f} s, last {end - t0:.3f} s")
             for t in ticks:
                 if t0 - 0.01 <= t["t"] <= end + 0.01:
+                    spans = "".join(f"  {name} {t[key][0] - t0:.3f}-{t[key][1] - t0:.3f}"
+                                    for key, name in (("arrived_at", "arrived"), ("submitted_at", "parsed"),
+                                                      ("received_at", "at engine")) if key in t)
                     print(f"  t={t['t'] - t0:6.3f} s  admitted {t['prompts']:3d} "
                           f"in {t['admit_s'] * 1e3:5.1f} ms (arriving {t['arriving']:3d})  "
                           f"window {t['window']:2d}  "
                           f"step {t['step_s'] * 1e3:6.1f} ms  running {t['running']:3d} "
-                          f"waiting {t['waiting']:3d}  builds {t['builds']}")
+                          f"waiting {t['waiting']:3d}  builds {t['builds']}{spans}")
     return 0
 
 

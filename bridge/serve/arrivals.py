@@ -14,6 +14,7 @@ handler runs in the middleware's task, or in a task that copied its context.
 from __future__ import annotations
 
 import contextvars
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -21,11 +22,12 @@ _TICKET: contextvars.ContextVar[_Ticket | None] = contextvars.ContextVar("bridge
 
 
 class _Ticket:
-    __slots__ = ("arrivals", "open")
+    __slots__ = ("arrivals", "open", "started")
 
     def __init__(self, arrivals: Arrivals) -> None:
         self.arrivals = arrivals
         self.open = True
+        self.started = time.monotonic()  # when the request arrived (before its body was read)
 
     def punch(self) -> None:
         if self.open:
@@ -57,6 +59,13 @@ class Arrivals:
         finally:
             ticket.punch()
             _TICKET.reset(token)
+
+
+def arrived_at() -> float:
+    """`time.monotonic()` when the current request arrived (0.0 outside a counted request): the
+    tick trace shows how long a request took from arrival to the engine."""
+    ticket = _TICKET.get()
+    return ticket.started if ticket is not None else 0.0
 
 
 def submitted() -> None:

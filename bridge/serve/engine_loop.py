@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.serve.arrivals import Arrivals, submitted
+from bridge.serve.arrivals import Arrivals, arrived_at, submitted
 from bridge.serve.metrics import EngineSnapshot, ServeMetrics
 from runner.llm import LLM
 from runner.outputs import RequestDelta
@@ -69,6 +69,11 @@ class Submission:
     owner: int = 0  # which API process sent it there (its connection's index)
     mm_items: int = 0  # media items in its prompts, and how many the encoder cache had (set by the tick)
     mm_hits: int = 0
+    # time.monotonic() (one clock for every process of the host) for the tick trace: the HTTP request's
+    # arrival, its submission after parsing and validation, its receipt by the engine process (0: none)
+    arrived_at: float = 0.0
+    submitted_at: float = 0.0
+    received_at: float = 0.0
 
 
 @dataclass
@@ -176,6 +181,7 @@ class EngineTicker:
                 "prompts": sum(len(sub.ids) for sub in subs), "arriving": int(arriving),
                 "window": self.core.decode_window, "running": len(s.running), "waiting": len(s.waiting),
                 "deltas": len(deltas), "finished": sum(d.finished for d in deltas),
+                **_spans(subs),
                 "builds": compiles.count if compiles is not None else 0}) + "\n")
         return TickOutcome(added, deltas, self.snapshot(), error, items, hits, aborted_ids,
                            admitted if subs else None, step_s)
@@ -213,6 +219,17 @@ class EngineTicker:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+
+
+def _spans(subs: Sequence[Any]) -> dict[str, list[float]]:
+    """First and last arrival / submission / engine receipt among a tick's submissions (trace fields;
+    a time of 0.0 is unknown and left out)."""
+    out = {}
+    for key in ("arrived_at", "submitted_at", "received_at"):
+        times = [t for t in (getattr(sub, key, 0.0) for sub in subs) if t]
+        if times:
+            out[key] = [min(times), max(times)]
+    return out
 
 
 class EngineFront:
@@ -263,7 +280,8 @@ class EngineFront:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues.update((rid, queue) for rid in ids)
         self._live.update(ids)
-        sub = Submission(prompts, params, ids, stream_text, future, check_context)
+        sub = Submission(prompts, params, ids, stream_text, future, check_context,
+                         arrived_at=arrived_at(), submitted_at=time.monotonic())
         with self._lock:
             self._submissions.append(sub)
         submitted()

@@ -144,10 +144,13 @@ def _receive_forever(owner: int, conn, inbox: queue.SimpleQueue) -> None:
     """Engine side: move every request message of one API process into `inbox` as soon as it arrives."""
     while True:
         try:
-            inbox.put((owner, _recv(conn)))
+            message = _recv(conn)
         except (EOFError, OSError):
             inbox.put((owner, ("eof",)))
             return
+        if message[0] == "submit":
+            message[1].received_at = time.monotonic()  # for the tick trace
+        inbox.put((owner, message))
 
 
 class _Owners:

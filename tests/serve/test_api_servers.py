@@ -32,10 +32,17 @@ GREEDY = {"temperature": 0.0, "max_tokens": 6}
 
 @pytest.fixture(scope="module")
 def two_api_server(tiny_text_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve_logs") / "two_api_server.log"
-    server = ServerProcess(tiny_text_model, log, "--api-server-count", "2", "--enable-prompt-embeds",
-                           "--dtype", "float32", "--max-model-len", "128", "--num-kv-blocks", "160",
-                           "--max-num-seqs", "32", "--max-num-batched-tokens", "256")
+    logs = tmp_path_factory.mktemp("serve_logs")
+    trace = logs / "ticks.jsonl"
+    os.environ["BRIDGE_TICK_TRACE"] = str(trace)  # inherited by the server (benchmarks/serve.py --trace)
+    try:
+        server = ServerProcess(tiny_text_model, logs / "two_api_server.log", "--api-server-count", "2",
+                               "--enable-prompt-embeds", "--dtype", "float32", "--max-model-len", "128",
+                               "--num-kv-blocks", "160", "--max-num-seqs", "32",
+                               "--max-num-batched-tokens", "256")
+    finally:
+        del os.environ["BRIDGE_TICK_TRACE"]
+    server.trace = trace
     children = server.children()
     yield server, children
     if server.proc.poll() is None:
@@ -80,6 +87,14 @@ def test_two_api_processes_serve_one_engine_and_drain_on_sigterm(two_api_server,
 
     assert asyncio.run(asyncio.wait_for(run_all(), timeout=180)) == want
     m = server.wait_idle()
+    # the engine's tick trace: each admitting tick's requests arrived, were parsed and reached the
+    # engine process in that order, before the tick that admitted them began
+    ticks = [json.loads(line) for line in server.trace.read_text().splitlines()]
+    admitting = [t for t in ticks if t["prompts"]]
+    assert sum(t["prompts"] for t in admitting) >= 32
+    for t in admitting:
+        arrived, parsed, received = t["arrived_at"], t["submitted_at"], t["received_at"]
+        assert arrived[0] <= parsed[0] <= received[0] and arrived[1] <= parsed[1] <= received[1] <= t["t"]
     # counters of both API processes, added up by whichever answered /metrics
     assert m['bridge:http_requests_total{route="/v1/completions",status="200"}'] == 32
     assert m["bridge:prompt_tokens_total"] == 32 * 3
