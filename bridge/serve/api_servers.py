@@ -29,36 +29,82 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
+from concurrent.futures import wait
 from typing import Any
 
 from bridge.serve.app import build_app
 from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess
-from bridge.serve.state_builder import server_state
+from bridge.serve.ingest import close_pool, spawn_ingest_pool, warm_up
+from bridge.serve.state_builder import ingest_workers, server_state
 from bridge.serve.uvicorn_server import graceful_server, uvicorn_config
 
 logger = logging.getLogger("bridge.serve")
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+POLL_S = 0.1  # how often an API process waiting to start looks at its stop flag
 
 
 def api_server_main(index: int, args: argparse.Namespace, link: EngineLink, sock: Any, ready: Any) -> None:
     """One API process: the same app as a single server, over its link to the engine process.
 
-    Started while the engine builds: it waits on `ready` (a pipe from the parent) for the engine's
-    `EngineInfo`, or None (the engine failed, or the server is stopping): then it ends quietly."""
+    Started while the engine builds: it starts its ingest pool meanwhile (each worker imports torch)
+    and waits on `ready` (a pipe from the parent) for the engine's `EngineInfo`, or None (the engine
+    failed, or the server is stopping): then it ends quietly. A SIGTERM or SIGINT before uvicorn takes
+    the signals over only sets a flag (raising out of a handler in the middle of the pool's own locks
+    can hang it), which every wait below checks, and which stops the server if it already exists."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
+    stopping = threading.Event()
+    server = None
+
+    def stop_early(_signum, _frame) -> None:
+        stopping.set()
+        if server is not None:  # built, but uvicorn's own handlers are not in place yet
+            server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop_early)
+    guessed = ingest_workers(args, _engine_device_type(args))
+    pool = spawn_ingest_pool(guessed) if guessed > 0 else None
+    warming = warm_up(pool, guessed) if pool is not None else []
+    info = None
     try:
-        info = ready.recv()
-    except (EOFError, KeyboardInterrupt):
-        info = None
-    finally:
+        while not stopping.is_set() and not ready.poll(POLL_S):
+            pass
+        if not stopping.is_set():
+            try:
+                info = ready.recv()
+            except EOFError:
+                pass
         ready.close()
-    if info is None:
-        return
-    state = server_state(args, engine_link=link, info=info)
-    graceful_server(uvicorn_config(build_app(state), args)).run(sockets=[sock])
+        while info is not None and warming and not stopping.is_set():
+            warming = list(wait(warming, timeout=POLL_S).not_done)
+        if info is None or stopping.is_set():
+            return
+        if pool is not None and ingest_workers(args, info.device_type) != guessed:
+            close_pool(pool)
+            pool = None
+        state = server_state(args, engine_link=link, info=info, ingest_pool=pool)
+        pool = None  # the app's body parser owns it now, and closes it at shutdown
+    finally:
+        if pool is not None:
+            close_pool(pool)
+    server = graceful_server(uvicorn_config(build_app(state), args))
+    if stopping.is_set():
+        server.should_exit = True  # a signal came while the app was being built: start, then stop
+    server.run(sockets=[sock])
+
+
+def _engine_device_type(args: argparse.Namespace) -> str:
+    """The device type the engine process will use (as `runner.LLM` picks it): for sizing the
+    ingest pool before the engine says."""
+    if args.device is not None:
+        return str(args.device).split(":")[0]
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _stopped_by(exitcode: int | None, stopping: bool) -> bool:

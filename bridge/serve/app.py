@@ -70,6 +70,7 @@ class ServerState:
     engine_info: EngineInfo | None = None
     tokenizer: Any = None
     loop: EngineFront | None = None
+    ingest_pool: Any = None  # a ProcessPoolExecutor of ingest_workers processes started ahead, or None
 
     def __post_init__(self) -> None:
         if self.llm is not None:
@@ -84,7 +85,8 @@ class ServerState:
                           max_bytes=self.limits.max_prompt_embeds_bytes, max_rows=self.max_model_len,
                           max_prompts=self.limits.max_prompts)
         self.body_parser = BodyParser(spec, workers=self.ingest_workers,
-                                      inline_bytes=self.ingest_inline_bytes, metrics=self.metrics)
+                                      inline_bytes=self.ingest_inline_bytes, metrics=self.metrics,
+                                      pool=self.ingest_pool)
         self.arrivals = Arrivals()
         self.arrivals.listeners.append(lambda: self.metrics.arriving.set(self.arrivals.count))
         if self.llm is not None:

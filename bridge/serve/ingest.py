@@ -25,7 +25,7 @@ import logging
 import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +123,29 @@ def parse_in_worker(body: bytes, spec: EmbedsSpec) -> tuple[str, Any, Any]:
 
 # ----------------------------------------------------------------------------- in the server
 
+def spawn_ingest_pool(workers: int) -> ProcessPoolExecutor:
+    """A pool of `workers` spawned processes (spawn: the server process holds CUDA state and threads
+    that a fork would copy half-way). Nothing starts until work is submitted: see `warm_up`."""
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker)
+
+
+def warm_up(pool: ProcessPoolExecutor, workers: int) -> list[Future]:
+    """Start every worker of `pool` now (each imports torch: seconds); the futures resolve to their pids."""
+    return [pool.submit(_warm) for _ in range(workers)]
+
+
+def close_pool(pool: ProcessPoolExecutor) -> None:
+    """Shut `pool` down without waiting, and end its workers. A worker still starting (importing torch)
+    when the server stops never read its stop sentinel: the process's exit then waited on it forever
+    (seen with a SIGTERM just after start-up). The workers hold nothing worth finishing."""
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float64": torch.float64}
 
@@ -140,19 +163,19 @@ class BodyParser:
     prompt embeds, from a pool of `workers` spawned processes for bodies over `inline_bytes`."""
 
     def __init__(self, spec: EmbedsSpec, *, workers: int, inline_bytes: int = DEFAULT_INLINE_BYTES,
-                 metrics: ServeMetrics | None = None) -> None:
+                 metrics: ServeMetrics | None = None, pool: ProcessPoolExecutor | None = None) -> None:
+        """`pool`: a `spawn_ingest_pool(workers)` already warmed up (an API process starts its pool
+        while the engine builds); the parser owns it from here."""
         if workers < 0:
             raise ValueError(f"ingest workers must be >= 0, got {workers}")
         self.spec = spec
         self.metrics = metrics
         self.workers = workers
         self.inline_bytes = inline_bytes
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: ProcessPoolExecutor | None = pool
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        # spawn: the server process holds CUDA state and threads that a fork would copy half-way
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_init_worker)
+        return spawn_ingest_pool(self.workers)
 
     async def start(self) -> None:
         """Start every worker now (each imports torch: seconds), not on the first large request."""
@@ -165,7 +188,7 @@ class BodyParser:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            close_pool(self._pool)
             self._pool = None
 
     def _count(self, where: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from bridge.serve.app import ServerState
 from bridge.serve.chat import ChatRenderer
@@ -16,11 +17,19 @@ from bridge.serve.metrics import ServeMetrics
 from runner.llm import LLM, load_tokenizer
 
 
+def ingest_workers(args: argparse.Namespace, device_type: str) -> int:
+    """`--ingest-workers` as given, or the default for an engine on `device_type` (per API process)."""
+    if args.ingest_workers is not None:
+        return args.ingest_workers
+    return default_workers(device_type, api_processes=args.api_server_count)
+
+
 def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str | None = None,
                  engine_process: EngineProcess | None = None, engine_link: EngineLink | None = None,
-                 info: EngineInfo | None = None) -> ServerState:
+                 info: EngineInfo | None = None, ingest_pool: Any = None) -> ServerState:
     """The routes' state for an engine in this process (`llm`) or in an engine process (`info`, with
-    the `engine_process` this process started or the `engine_link` its parent handed it)."""
+    the `engine_process` this process started or the `engine_link` its parent handed it). `ingest_pool`:
+    the `ingest_workers(args, ...)` processes, already started."""
     limits = ServeLimits(max_prompts=args.max_prompts_per_request, max_n=args.max_n,
                          max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
                          enable_prompt_embeds=args.enable_prompt_embeds)
@@ -46,7 +55,6 @@ def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str 
                        limits=limits, chat=chat, metrics=metrics, api_key=args.api_key,
                        max_body_bytes=args.max_request_bytes, max_pending=args.max_pending_requests,
                        drain_timeout_s=args.shutdown_timeout,
-                       ingest_workers=(default_workers(device_type, api_processes=args.api_server_count)
-                                       if args.ingest_workers is None else args.ingest_workers),
+                       ingest_workers=ingest_workers(args, device_type), ingest_pool=ingest_pool,
                        ingest_inline_bytes=args.ingest_inline_bytes,
                        arrival_decode_window=args.arrival_decode_window)

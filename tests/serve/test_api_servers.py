@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -39,7 +40,8 @@ def two_api_server(tiny_text_model, tmp_path_factory):
         server = ServerProcess(tiny_text_model, logs / "two_api_server.log", "--api-server-count", "2",
                                "--enable-prompt-embeds", "--dtype", "float32", "--max-model-len", "128",
                                "--num-kv-blocks", "160", "--max-num-seqs", "32",
-                               "--max-num-batched-tokens", "256")
+                               "--max-num-batched-tokens", "256", "--ingest-workers", "1",
+                               "--ingest-inline-bytes", "0")
     finally:
         del os.environ["BRIDGE_TICK_TRACE"]
     server.trace = trace
@@ -113,22 +115,37 @@ def test_two_api_processes_serve_one_engine_and_drain_on_sigterm(two_api_server,
     assert not still_running(children), "a child process outlived the server"
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        path = Path(f"/proc/{todo.pop()}/task")
+        for task in path.iterdir() if path.exists() else ():
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 def test_start_up_overlaps_the_engine_build_and_stops_cleanly_midway(tiny_text_model, tmp_path):
-    """The API processes start while the engine builds (so they are children before the server is
-    ready); a SIGTERM in the middle of start-up stops everything and exits 0, no child left."""
+    """The API processes (and their ingest workers) start while the engine builds, so they are running
+    before the server is ready; a SIGTERM in the middle of start-up stops everything and exits 0,
+    with no process of the server's tree left."""
     server = ServerProcess(tiny_text_model, tmp_path / "early_stop.log", "--api-server-count", "2",
                            "--dtype", "float32", "--max-model-len", "128", "--num-kv-blocks", "64",
-                           wait=False)
+                           "--ingest-workers", "1", wait=False)
     deadline = time.monotonic() + 120
-    children: list[int] = []
+    tree: list[int] = []
     while time.monotonic() < deadline and server.proc.poll() is None:
-        children = server.children()
-        if len(children) >= 3:  # the engine process and both API processes, started together
+        tree = _descendants(server.proc.pid)
+        if len(server.children()) >= 3 and len(tree) >= 5:  # engine, 2 API processes, their workers
             break
         time.sleep(0.05)
-    assert len(children) >= 3, server.log()
+    assert len(tree) >= 5, (tree, server.log())
     assert server.stop(timeout=90) == 0, server.log()
-    assert not still_running(children), "a child process outlived the server"
+    assert not still_running(tree), "a process of the server's tree outlived it"
 
 
 def test_a_port_already_taken_fails_before_the_engine_builds(tiny_text_model, tmp_path):
