@@ -11,14 +11,14 @@ the eager prefill path every launch also costs 50-70 us of Python on the host. H
          -> o_proj GEMM with the residual add as its epilogue (addmm) -> norm -> gate/up GEMM
          -> SiLU*mul -> down_proj GEMM with the residual add as its epilogue
 
-nine launches, one of them (`qkv_norm_rope_write`) new. Decode-sized steps (at most
-`NORM_GEMM_MAX_ROWS` tokens, bf16/fp16) fold each norm into the GEMM after it and that GEMM's
-epilogue kernel into the GEMM (`runner.layers.norm_gemm`):
+nine launches, one of them (`qkv_norm_rope_write`) new. Decode-sized steps (bf16/fp16) fold each norm
+into the GEMM after it and that GEMM's epilogue kernel into the GEMM (`runner.layers.norm_gemm`):
+q/k/v up to `NORM_GEMM_MAX_ROWS` tokens, gate/up up to `NORM_GATE_UP_MAX_ROWS`:
 
     [norm -> q/k/v GEMM -> q_norm, k_norm, rotary, K/V cache write] -> paged attention
          -> o_proj addmm -> [norm -> gate/up GEMM -> SiLU*mul] -> down_proj addmm
 
-five launches (attention counted as one; the two addmm stay cuBLAS).
+five launches up to 32 tokens, seven up to 64 (attention counted as one; the two addmm stay cuBLAS).
 
 How: the layer's modules, weights, loading and `state_dict` stay Hugging Face's; only the bound
 `forward` of each fusable layer instance is replaced, and the replacement takes the fused path
