@@ -33,17 +33,18 @@ import itertools
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
 if "--check" in sys.argv and not os.path.exists("/dev/nvidia0"):  # must precede the first triton import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from skinny_gemm import graph_time  # noqa: E402
 
 from runner.layers.fused_layers import qkv_norm_rope_write  # noqa: E402
 from runner.layers.fused_linear import silu_mul_triton  # noqa: E402
@@ -193,29 +194,6 @@ def fmt_diff(diff: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- timing
-
-def graph_time(body, replays: int = 15) -> float:
-    """Median seconds of one replay of a graph capturing `body`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()  # compile / warm outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph
-    return statistics.median(times[3:])
-
 
 def per_call(case: Case, fn) -> float:
     """Seconds per call of `fn(case, layer)` over the case's layers, in one graph."""

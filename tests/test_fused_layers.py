@@ -30,17 +30,6 @@ def model_dirs(tmp_path_factory):
 
 
 @pytest.fixture
-def fused_on_cpu():
-    fused_layers.FUSED_LAYERS_ON_CPU = True
-    fused_linear.SILU_MUL_ON_CPU = True
-    try:
-        yield
-    finally:
-        fused_layers.FUSED_LAYERS_ON_CPU = False
-        fused_linear.SILU_MUL_ON_CPU = False
-
-
-@pytest.fixture
 def kernel_calls(monkeypatch):
     calls = []
     original = fused_layers.qkv_norm_rope_write

@@ -197,18 +197,6 @@ def test_max_rows_comes_from_the_environment(monkeypatch):
 
 # ------------------------------------------------------------------------------------------- engine
 
-@pytest.fixture
-def fused_on_cpu():
-    fused_layers.FUSED_LAYERS_ON_CPU = True
-    fused_linear.SILU_MUL_ON_CPU = True
-    try:
-        yield
-    finally:
-        fused_layers.FUSED_LAYERS_ON_CPU = False
-        fused_linear.SILU_MUL_ON_CPU = False
-        fused_layers.NORM_GEMM_ON_CPU = False
-
-
 def test_engine_bf16_greedy_with_norm_gemm_matches_without(tiny_model_root, fused_on_cpu, monkeypatch):
     """A tiny bf16 Qwen3 (q/k norms) through the engine with fused layers: greedy tokens with the
     norm-GEMM path equal those without it. With NORM_GEMM_MAX_ROWS at 16 the first step (three prompts,

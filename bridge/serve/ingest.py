@@ -181,9 +181,7 @@ class BodyParser:
         """Start every worker now (each imports torch: seconds), not on the first large request."""
         if self.workers and self._pool is None:
             self._pool = self._new_pool()
-            loop = asyncio.get_running_loop()
-            warm = [loop.run_in_executor(self._pool, _warm) for _ in range(self.workers)]
-            pids = await asyncio.gather(*warm)
+            pids = await asyncio.gather(*map(asyncio.wrap_future, warm_up(self._pool, self.workers)))
             logger.info("ingest pool: %d worker processes (%s)", len(set(pids)), sorted(set(pids)))
 
     def close(self) -> None:

@@ -60,7 +60,9 @@ class NormGemmConfig:
 # call, fused against the three launches it replaces):
 #   qkv      M=1: 8.1 vs 10.4   M=16: 8.4 vs 10.6   M=32: 8.5 vs 10.7   M=64: 9.1 vs 10.8
 #   gate_up  M=1: 7.1 vs 9.4    M=16: 7.2 vs 9.7    M=32: 8.3 vs 9.8    M=64: 10.5-10.8 vs 10.1
-# (M=128: 16 vs 11 for both, hence fused_layers.NORM_GEMM_MAX_ROWS = 64.)
+# (M=128: 16 vs 11 for both, hence fused_layers.NORM_GEMM_MAX_ROWS = 64; gate_up's M >= 64 numbers are
+# with an M32 N64 K128 w8 tile, no longer a default: the engine stops gate/up at 32 rows, so a tile for
+# larger M would only be one more build at start-up.)
 # Few distinct configs on purpose: each one is a separate kernel build, and the first call builds all
 # of them (see `_launch`). The q/k/v kernel has at most Hq + 2 Hkv programs per 16 rows (32 on W1), so
 # at small M it is bound by how fast 32 SMs stream 256 KB each, whatever the tile.
@@ -69,8 +71,7 @@ QKV_CONFIGS: tuple[tuple[int | None, NormGemmConfig], ...] = (
 )
 GATE_UP_CONFIGS: tuple[tuple[int | None, NormGemmConfig], ...] = (
     (16, NormGemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)),
-    (32, NormGemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
-    (None, NormGemmConfig(block_m=32, block_n=64, block_k=128, num_warps=8, num_stages=3)),
+    (None, NormGemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
 )
 
 
@@ -194,6 +195,21 @@ def _as_rows(acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, w1_ptrs, w2_ptrs, n_ok, K, BLOCK_M: tl.constexpr,
+                      N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                      SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr):
+    """rms_norm(x) @ W1.T and rms_norm(x) @ W2.T for one program's BLOCK_M rows and N weight rows each
+    (both kernels' K loop: the q/k/v head's two halves, or gate and up), as (BLOCK_M, N) fp32."""
+    acc1 = _zeros_acc(BLOCK_M, N, SWAP_AB)
+    acc2 = _zeros_acc(BLOCK_M, N, SWAP_AB)
+    for k0 in range(0, K, BLOCK_K):
+        a = _normed_tile(x_rows, nw_ptr, rstd, row_ok, k0, K, BLOCK_K, EVEN_K)
+        acc1 = _dot(a, _load_w(w1_ptrs, n_ok, k0, K, BLOCK_K, EVEN_K, EVEN_N), acc1, SWAP_AB, INTERPRET)
+        acc2 = _dot(a, _load_w(w2_ptrs, n_ok, k0, K, BLOCK_K, EVEN_K, EVEN_N), acc2, SWAP_AB, INTERPRET)
+    return _as_rows(acc1, SWAP_AB), _as_rows(acc2, SWAP_AB)
+
+
+@triton.jit
 def _round_like_gemm(acc, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """The GEMM's fp32 result rounded to the activation dtype (to nearest even, as cuBLAS and torch
     round F.linear's output), back in fp32. On the GPU that is a plain cast. The interpreter's
@@ -245,14 +261,8 @@ def _norm_qkv_rope_write_kernel(
     n1 = head * (2 * HALF) + d[:, None]
     w1_ptrs = w_ptr + n1.to(tl.int64) * stride_wn + ks
     w2_ptrs = w1_ptrs + HALF * stride_wn
-    acc1 = _zeros_acc(BLOCK_M, HALF, SWAP_AB)
-    acc2 = _zeros_acc(BLOCK_M, HALF, SWAP_AB)
-    for k0 in range(0, K, BLOCK_K):
-        a = _normed_tile(x_rows, nw_ptr, rstd, row_ok, k0, K, BLOCK_K, EVEN_K)
-        acc1 = _dot(a, _load_w(w1_ptrs, None, k0, K, BLOCK_K, EVEN_K, True), acc1, SWAP_AB, INTERPRET)
-        acc2 = _dot(a, _load_w(w2_ptrs, None, k0, K, BLOCK_K, EVEN_K, True), acc2, SWAP_AB, INTERPRET)
-    acc1 = _as_rows(acc1, SWAP_AB)
-    acc2 = _as_rows(acc2, SWAP_AB)
+    acc1, acc2 = _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, w1_ptrs, w2_ptrs, None, K, BLOCK_M, HALF,
+                                   BLOCK_K, EVEN_K, True, SWAP_AB, INTERPRET)
 
     d = d[None, :]
     if HAS_BIAS:  # added in fp32 before the one rounding, as the GEMM's bias epilogue
@@ -310,14 +320,8 @@ def _norm_gate_up_silu_kernel(
     ks = tl.arange(0, BLOCK_K)[None, :]
     wg_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks
     wu_ptrs = w_ptr + (cols[:, None] + N).to(tl.int64) * stride_wn + ks  # up rows follow the N gate rows
-    acc_g = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-    acc_u = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
-    for k0 in range(0, K, BLOCK_K):
-        a = _normed_tile(x_rows, nw_ptr, rstd, row_ok, k0, K, BLOCK_K, EVEN_K)
-        acc_g = _dot(a, _load_w(wg_ptrs, n_ok, k0, K, BLOCK_K, EVEN_K, EVEN_N), acc_g, SWAP_AB, INTERPRET)
-        acc_u = _dot(a, _load_w(wu_ptrs, n_ok, k0, K, BLOCK_K, EVEN_K, EVEN_N), acc_u, SWAP_AB, INTERPRET)
-    acc_g = _as_rows(acc_g, SWAP_AB)
-    acc_u = _as_rows(acc_u, SWAP_AB)
+    acc_g, acc_u = _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, wg_ptrs, wu_ptrs, n_ok, K, BLOCK_M,
+                                     BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SWAP_AB, INTERPRET)
 
     # F.linear rounds g and u to the activation dtype; then silu_mul's arithmetic: SiLU in fp32 rounded
     # to the dtype, times up, rounded.
