@@ -29,6 +29,9 @@ DTYPES: dict[str, torch.dtype] = {
 MAX_DECODE_WINDOW = 32
 # Measured on an H200 (W1 of benchmarks/generate.py): 8 -> 35%, 16 -> 39%, 32 -> 40% of the roofline.
 DEFAULT_DECODE_WINDOW = 32
+# Largest step a mixed-step CUDA graph covers by default (runner.worker.cuda_graphs). Above it a step's
+# GPU work outgrows the host time an eager step spends launching it.
+DEFAULT_MIXED_GRAPH_MAX_TOKENS = 4096
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: Any = None) -> torch.dtype:
@@ -67,7 +70,9 @@ class EngineConfig:
 
     Fields left None are decided by `resolve`: `device` (CUDA when available), `max_num_seqs`
     (256 on a GPU, 32 on the CPU), `max_num_batched_tokens` (8192 / 2048), `max_model_len` (the
-    model's context), `decode_window` (32 with CUDA graphs, else 1), and the kernel switches
+    model's context), `decode_window` (32 with CUDA graphs, else 1), `mixed_graph_max_tokens` (the
+    largest prefill/mixed step replayed from a CUDA graph: 4096 or `max_num_batched_tokens` if smaller;
+    0: such steps run eagerly; only used with CUDA graphs), and the kernel switches
     `fused_ops` / `fused_linear` / `fused_layers` (on on the GPU unless BRIDGE_FUSED_OPS /
     BRIDGE_FUSED_LINEAR / BRIDGE_FUSED_LAYERS is '0'; off on the CPU), and `warmup` (on on the GPU:
     a few dummy requests at construction compile the step's kernels, so the first real call does
@@ -88,6 +93,7 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     decode_window: int | None = None
+    mixed_graph_max_tokens: int | None = None
     enable_prefix_caching: bool = False
     async_scheduling: bool | None = None
     encoder_cache_budget: int | None = None
@@ -138,6 +144,10 @@ class EngineConfig:
         if isinstance(c.decode_window, bool) or not isinstance(c.decode_window, int) \
                 or not 1 <= c.decode_window <= MAX_DECODE_WINDOW:
             raise ValueError(f"decode_window must be in [1, {MAX_DECODE_WINDOW}], got {c.decode_window!r}")
+        if c.mixed_graph_max_tokens is None:
+            c.mixed_graph_max_tokens = DEFAULT_MIXED_GRAPH_MAX_TOKENS
+        _check_int("mixed_graph_max_tokens", c.mixed_graph_max_tokens, 0)
+        c.mixed_graph_max_tokens = min(c.mixed_graph_max_tokens, c.max_num_batched_tokens)
         if c.fused_ops is None:
             c.fused_ops = gpu and env_switch("BRIDGE_FUSED_OPS")
         if c.fused_linear is None:
@@ -149,4 +159,5 @@ class EngineConfig:
         return c
 
 
-__all__ = ["DEFAULT_DECODE_WINDOW", "DTYPES", "MAX_DECODE_WINDOW", "EngineConfig", "resolve_dtype"]
+__all__ = ["DEFAULT_DECODE_WINDOW", "DEFAULT_MIXED_GRAPH_MAX_TOKENS", "DTYPES", "MAX_DECODE_WINDOW",
+           "EngineConfig", "resolve_dtype"]

@@ -74,6 +74,8 @@ class LLM:
     the GPU from `gpu_memory_utilization` after a profiling step; 256 MiB on the CPU).
     `decode_window` is how many greedy decode steps run back to back between host syncs when
     every running request is a plain greedy decode (default 32 with CUDA graphs, 1 otherwise).
+    `mixed_graph_max_tokens` is the largest prefill or mixed step (in tokens) replayed from a CUDA
+    graph instead of launched layer by layer (default 4096; 0 runs them eagerly).
     `async_scheduling` (default on, except with multimodal input) plans and launches step n+1
     while step n runs on the device. `fused_ops` / `fused_linear` / `fused_layers` choose Bridge's
     fused kernels (default: on on the GPU). Counters for tests and monitoring: `num_free_blocks`,
@@ -100,6 +102,7 @@ class LLM:
         enforce_eager: bool = False,
         seed: int = 0,
         decode_window: int | None = None,
+        mixed_graph_max_tokens: int | None = None,
         encoders: Mapping[str, Any] | None = None,
         enable_prefix_caching: bool = False,
         async_scheduling: bool | None = None,
@@ -125,6 +128,7 @@ class LLM:
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
             enforce_eager=enforce_eager, seed=seed, decode_window=decode_window,
+            mixed_graph_max_tokens=mixed_graph_max_tokens,
             enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             encoder_cache_budget=encoder_cache_budget, fused_ops=fused_ops, fused_linear=fused_linear,
             fused_layers=fused_layers, warmup=warmup,

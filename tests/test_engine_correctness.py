@@ -152,6 +152,7 @@ def test_cuda_graphs_match_eager_and_hf(family, model_dirs, hf_reference):
     out_eager = [o.outputs[0].token_ids for o in eager.generate(batch, GREEDY, use_tqdm=False)]
     out_graph = [o.outputs[0].token_ids for o in graphed.generate(batch, GREEDY, use_tqdm=False)]
     assert graphed.runner.num_graph_replays > 0
+    assert graphed.runner.num_mixed_graph_replays > 0  # the prefills replayed mixed-step graphs
     assert out_graph == out_eager == expected
 
 
@@ -178,6 +179,7 @@ def test_decode_buckets_and_triton_kernels_inside_the_engine(model_dirs, hf_refe
     eager = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     assert eager == [expected[i][:6] for i in picks]
     assert llm.runner.num_graph_replays > 0
+    assert llm.runner.num_mixed_graph_replays > 0  # prefill chunks in the 16- and 24-token buckets
     previous = set_attention_backend("triton")
     fused_ops.ROTARY_ON_CPU = True
     try:

@@ -58,7 +58,8 @@ def build_llm(model: LoadedModel, args: argparse.Namespace) -> LLM:
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
               kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager, seed=args.seed,
-              enable_prefix_caching=args.enable_prefix_caching)
+              enable_prefix_caching=args.enable_prefix_caching,
+              mixed_graph_max_tokens=getattr(args, "mixed_graph_max_tokens", None))
     for encoder in model.encoders.values():
         llm.register_encoder(encoder.to(llm.device).eval())
     return llm

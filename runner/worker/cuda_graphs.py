@@ -1,9 +1,21 @@
-"""Decode-step CUDA graphs: one per batch-size bucket, captured once, replayed every decode step.
+"""Step CUDA graphs: decode steps by batch-size bucket, mixed (prefill) steps by token-count bucket.
 
-A graph covers the decoder and the LM head of a decode step on fixed staging views (see
+A graph covers the decoder and the LM head of a step on fixed staging views (see
 `runner.worker.staging`); its input is the persistent inputs_embeds buffer, so the assembly
-(token lookup, prompt-embeds overlay) runs eagerly right before each replay and no encoder ever
-runs at capture. Padding rows of a bucket write no KV (slot -1) and attend to nothing (seq_len 0).
+(token lookup, item gather, prompt-embeds overlay) runs eagerly right before each replay and no
+encoder ever runs at capture.
+
+- Decode graphs (`DecodeGraphs`): one query row per request. Padding rows of a bucket write no KV
+  (slot -1) and attend to nothing (seq_len 0).
+- Mixed graphs (`GraphBuckets` keyed by token count): any step of at most `mixed_graph_max_tokens`
+  tokens, prefill chunks and decodes together. Why: an eager step launches every kernel of every
+  layer from Python, 15-25 ms of host time for a 28-layer model whatever its size, while a 512-token
+  prefill of W1's model needs about 1.5 ms of GPU; a server admitting requests as they arrive runs a
+  chain of such steps, each waiting on the host. The attention kernels' grids depend only on the
+  token count and the request count (both fixed per bucket), and they find each query block's
+  request on the device, so the same graph replays any mix. A bucket of T tokens holds up to
+  min(T, max_num_seqs) requests; padding requests have no query rows, padding tokens belong to no
+  request and write no KV; the LM head runs on one row per request slot, sampled rows first.
 """
 
 from __future__ import annotations
@@ -14,6 +26,18 @@ from collections.abc import Callable
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+def mixed_graph_token_sizes(max_tokens: int) -> list[int]:
+    """Mixed-step token buckets: 16, 32, ..., 512, then steps of half a power of two (768, 1024,
+    1536, 2048, 3072, ...), and `max_tokens` itself; a bucket pads a step by less than half."""
+    if max_tokens <= 0:
+        return []
+    sizes, b = [], 16
+    while b < max_tokens:
+        sizes.append(b)
+        b = b * 2 if b < 512 else (b // 2 * 3 if b & (b - 1) == 0 else b // 3 * 4)
+    return [*sizes, max_tokens]
 
 
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -38,41 +62,33 @@ class _EagerReplay:
         self.body()
 
 
-class DecodeGraphs:
-    """The captured graphs by bucket, plus the fixed output buffers every replay writes.
+class GraphBuckets:
+    """Captured graphs by size bucket (a decode batch size, or a mixed step's token count)."""
 
-    `logits` (fp32, one row per bucket slot) takes each replay's LM-head output; `window_tokens`
-    holds the argmax of every step of a decode window (`ModelRunner.execute_decode_window`).
-    """
+    kind = "mixed-step"
 
     def __init__(self) -> None:
         self.graphs: dict[int, torch.cuda.CUDAGraph | _EagerReplay] = {}
         self.sizes: list[int] = []
-        self.logits: torch.Tensor | None = None
-        self.window_tokens: torch.Tensor | None = None
 
-    def bucket(self, num_reqs: int) -> int | None:
-        """The smallest captured batch size that holds `num_reqs` requests, or None."""
+    def bucket(self, n: int) -> int | None:
+        """The smallest captured size that holds `n` (requests or tokens), or None."""
         for b in self.sizes if self.graphs else ():
-            if b >= num_reqs:
+            if b >= n:
                 return b
         return None
 
-    def allocate(self, sizes: list[int], vocab_size: int, max_window: int, device: torch.device) -> None:
-        self.sizes = sizes
-        self.logits = torch.zeros(sizes[-1], vocab_size, dtype=torch.float32, device=device)
-        self.window_tokens = torch.zeros(max_window, sizes[-1], dtype=torch.int64, device=device)
-
-    def capture(self, make_body: Callable[[int], Callable[[], None]], *, emulate: bool = False) -> None:
-        """Capture `make_body(b)` for every bucket, largest first, sharing one memory pool.
+    def capture(self, make_body: Callable[[int], Callable[[], None]], *, pool: tuple | None = None,
+                emulate: bool = False) -> tuple | None:
+        """Capture `make_body(b)` for every bucket, largest first, in one memory pool (`pool`, or a
+        new one); returns the pool, so that the next set's graphs can share it.
 
         `emulate=True` (tests, CPU): no capture; "replay" runs the same body eagerly on the same
         fixed views, which exercises the bucket, padding and fixed-offset logic without a GPU.
         """
         if emulate:
             self.graphs = {b: _EagerReplay(make_body(b)) for b in self.sizes}
-            return
-        pool = None
+            return pool
         for b in reversed(self.sizes):
             body = make_body(b)
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
@@ -84,14 +100,41 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs for decode batch sizes %s", len(self.graphs), self.sizes)
+        logger.info("captured %d %s CUDA graphs for sizes %s", len(self.graphs), self.kind, self.sizes)
+        return pool
 
     def release(self) -> None:
-        """Drop the graphs (and with them their memory pool) and the output buffers."""
+        """Drop the graphs (and with them their share of the memory pool)."""
         for graph in self.graphs.values():
             if hasattr(graph, "reset"):
                 graph.reset()
-        self.graphs, self.logits, self.window_tokens = {}, None, None
+        self.graphs = {}
 
 
-__all__ = ["DecodeGraphs", "cuda_graph_batch_sizes"]
+class DecodeGraphs(GraphBuckets):
+    """Decode graphs by batch-size bucket, plus the fixed output buffers every replay writes.
+
+    `logits` (fp32, one row per bucket slot) takes each replay's LM-head output, a mixed-step
+    graph's too; `window_tokens` holds the argmax of every step of a decode window
+    (`ModelRunner.execute_decode_window`).
+    """
+
+    kind = "decode"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logits: torch.Tensor | None = None
+        self.window_tokens: torch.Tensor | None = None
+
+    def allocate(self, sizes: list[int], vocab_size: int, max_window: int, device: torch.device) -> None:
+        self.sizes = sizes
+        self.logits = torch.zeros(sizes[-1], vocab_size, dtype=torch.float32, device=device)
+        self.window_tokens = torch.zeros(max_window, sizes[-1], dtype=torch.int64, device=device)
+
+    def release(self) -> None:
+        """Drop the graphs (and with them their memory pool) and the output buffers."""
+        super().release()
+        self.logits, self.window_tokens = None, None
+
+
+__all__ = ["DecodeGraphs", "GraphBuckets", "cuda_graph_batch_sizes", "mixed_graph_token_sizes"]

@@ -33,7 +33,12 @@ from runner.layers.hf_attention import ATTN_IMPLEMENTATION, register_bridge_atte
 from runner.layers.logits_head import wrap_lm_head
 from runner.layers.sampler import Sampler
 from runner.multimodal.state import MultimodalState
-from runner.worker.cuda_graphs import DecodeGraphs, cuda_graph_batch_sizes
+from runner.worker.cuda_graphs import (
+    DecodeGraphs,
+    GraphBuckets,
+    cuda_graph_batch_sizes,
+    mixed_graph_token_sizes,
+)
 from runner.worker.hf_config import text_config
 from runner.worker.host_upload import HostUploader
 from runner.worker.inputs_embeds import InputsEmbedsBuilder
@@ -101,7 +106,9 @@ class ModelRunner:
         self.mm = mm
         self.sampler = Sampler()
         self.decode_graphs = DecodeGraphs()
+        self.mixed_graphs = GraphBuckets()  # prefill / mixed steps by token count (cuda_graphs.py)
         self.num_graph_replays = 0
+        self.num_mixed_graph_replays = 0
         self.activation_peak_bytes = self.cuda_graph_pool_bytes = 0  # measured by setup()
         self.num_decode_windows = 0
         self.num_forward_steps = 0
@@ -143,6 +150,10 @@ class ModelRunner:
         """Captured decode graphs by batch-size bucket (empty: every step runs eagerly)."""
         return self.decode_graphs.graphs
 
+    def mixed_graph_rows(self, tokens: int) -> int:
+        """Request rows (and LM-head rows) of the mixed-step graph of `tokens` tokens."""
+        return min(tokens, self.max_num_seqs)
+
     # ----------------------------------------------------------------------------- setup
     def set_max_model_len(self, max_model_len: int) -> None:
         """(Re)size the per-slot host tables and staging buffers for sequences up to `max_model_len`."""
@@ -177,10 +188,15 @@ class ModelRunner:
             gc.collect()
         peak = self.activation_peak_bytes = (self.profile_peak_memory()
                                              if on_gpu and c.kv_cache_memory is None else 0)
+        # The mixed-step graphs' pool holds the activations of their largest step beside the eager
+        # path's: estimated as the profiled peak's share for that many tokens (an overestimate: the
+        # peak includes the sampler's worst case, which no graph holds).
+        graph_peak = (peak * c.mixed_graph_max_tokens // self.max_num_batched_tokens
+                      if c.use_cuda_graphs else 0)
         num_blocks = determine_num_blocks(
             self.kv_spec, self.device, num_kv_blocks=c.num_kv_blocks, kv_cache_memory=c.kv_cache_memory,
             gpu_memory_utilization=c.gpu_memory_utilization,
-            peak_activation_bytes=peak + (GPU_HEADROOM_BYTES if on_gpu else 0),
+            peak_activation_bytes=peak + graph_peak + (GPU_HEADROOM_BYTES if on_gpu else 0),
         )
         if num_blocks * self.block_size < self.max_model_len:
             logger.warning("KV cache holds %d tokens; max_model_len lowered from %d",
@@ -194,6 +210,7 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drop everything this runner holds on the device: graphs, KV cache, buffers, the model."""
+        self.mixed_graphs.release()
         self.decode_graphs.release()
         self.kv_caches = []
         self.num_kv_blocks = 0
@@ -286,16 +303,23 @@ class ModelRunner:
         mrope = self.mm is not None and self.mm.uses_mrope
         graphable = single_token and not plp_rows and (decode_only or not mrope)
         bucket = self.decode_graphs.bucket(r) if graphable else None
-        tp, rp = (bucket, bucket) if bucket else (t, r)
-        w = self.max_blocks_per_req if bucket else max(1, int(-(-seq_lens.max() // bs)))
-        n_logits = 0 if bucket else len(logit_rows)
+        # Any other step without prompt-logprob rows or 3-D positions replays a mixed-step graph
+        # when one holds its tokens.
+        mixed = self.mixed_graphs.bucket(t) if bucket is None and not plp_rows and not mrope else None
+        if bucket:
+            tp, rp, w, n_logits = bucket, bucket, self.max_blocks_per_req, 0
+        elif mixed:
+            tp, w = mixed, self.max_blocks_per_req
+            rp = n_logits = self.mixed_graph_rows(mixed)
+        else:
+            tp, rp, w, n_logits = t, r, max(1, int(-(-seq_lens.max() // bs))), len(logit_rows)
         o64, o32 = st.offsets(tp, rp, w, n_logits)
         h64, h32 = st.np64, st.np32
         h64[o64[0] : o64[0] + t] = self.token_table[tok_slots, positions]
         h64[o64[1] : o64[1] + t] = positions
         h64[o64[2] : o64[2] + t] = self.block_table[tok_slots, positions // bs] * bs + positions % bs
         if n_logits:
-            h64[o64[3] : o64[4]] = logit_rows
+            h64[o64[3] : o64[3] + len(logit_rows)] = logit_rows
         self.num_computed_by_slot[slots] = nc
         h32[o32[0] : o32[0] + len(self.num_computed_by_slot)] = self.num_computed_by_slot
         h32[o32[1]] = 0
@@ -311,10 +335,19 @@ class ModelRunner:
             h32[o32[2] + r : o32[2] + rp] = 0
             h32[o32[3] + r : o32[3] + rp] = 0
             h32[o32[4] + r * w : o32[4] + rp * w] = 0
+        if mixed:  # padding tokens: in no request, no KV write; padding requests: no query rows
+            h64[o64[0] + t : o64[0] + tp] = 0
+            h64[o64[1] + t : o64[1] + tp] = 0
+            h64[o64[2] + t : o64[2] + tp] = -1
+            h64[o64[3] + len(logit_rows) : o64[3] + n_logits] = 0
+            h32[o32[1] + 1 + r : o32[1] + 1 + rp] = t
+            h32[o32[2] + r : o32[2] + rp] = 0
+            h32[o32[3] + r : o32[3] + rp] = 0
+            h32[o32[4] + r * w : o32[4] + rp * w] = 0
         st.upload(tp, rp, w, n_logits)
         v = st.views(st.dev64, st.dev32, tp, rp, w, n_logits)
         return StagedStep(v, t, r, bucket, nsched, cu, seq_lens, single_token, decode_only, sample_rows,
-                          plp_rows, plp_spans)
+                          plp_rows, plp_spans, mixed=mixed)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> StepResult:
@@ -355,6 +388,10 @@ class ModelRunner:
             if len(sample_rows) != r:
                 keep = torch.tensor([i for i in range(r) if so.samples[i]]).to(self.device, non_blocking=True)
                 logits = logits.index_select(0, keep)
+        elif sd.mixed:
+            self.mixed_graphs.graphs[sd.mixed].replay()
+            self.num_mixed_graph_replays += 1
+            logits = self.decode_graphs.logits[: len(sample_rows)]  # the sampled rows come first
         else:
             meta = AttentionMetadata(
                 v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
@@ -482,12 +519,56 @@ class ModelRunner:
 
         return body
 
+    def _mixed_graph_body(self, tokens: int):
+        """The work a mixed-step graph of `tokens` tokens replays: the decoder over `tokens` rows and
+        the LM head over one row per request slot (sampled rows first, `logits_indices`)."""
+        st = self.staging
+        rows = self.mixed_graph_rows(tokens)
+        v = st.views(st.dev64, st.dev32, tokens, rows, self.max_blocks_per_req, rows)
+        v.input_ids.zero_()
+        v.positions.zero_()
+        v.slot_mapping.fill_(-1)
+        v.logits_indices.zero_()
+        v.query_start_loc.zero_()
+        v.seq_lens.zero_()
+        v.block_tables.zero_()
+        # No host copies of the request layout: the kernels read it on the device, both attention
+        # kernels always launch, and the prefill tiles are the ones for `tokens`-row queries.
+        meta = AttentionMetadata(v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
+                                 max_query_len=tokens, max_seq_len=self.max_model_len, num_reqs=rows)
+        embeds = self.embeds_builder.dummy_inputs_embeds(tokens)
+
+        def body() -> None:
+            logits = self._forward(embeds, v.positions, meta, v.logits_indices, to_float=False)
+            self.decode_graphs.logits[:rows].copy_(logits)
+
+        return body
+
     @torch.inference_mode()
     def capture_cuda_graphs(self, *, emulate: bool = False) -> None:
-        """Capture a decode graph per batch-size bucket (`runner.worker.cuda_graphs`); on the CPU
-        only with `emulate=True` (tests), where "replay" runs the same body eagerly."""
+        """Capture the mixed-step graphs, then a decode graph per batch-size bucket, in one memory
+        pool (`runner.worker.cuda_graphs`); on the CPU only with `emulate=True` (tests), where
+        "replay" runs the same body eagerly.
+
+        A model whose prefill forward cannot be captured (a host sync in some layer) keeps eager
+        prefill steps: the failure is logged and only the decode graphs are kept.
+        """
         if self.device.type != "cuda" and not emulate:
             return
         sizes = cuda_graph_batch_sizes(min(self.max_num_seqs, self.max_num_batched_tokens))
         self.decode_graphs.allocate(sizes, self.vocab_size, MAX_DECODE_WINDOW, self.device)
-        self.decode_graphs.capture(self._decode_graph_body, emulate=emulate)
+        self.mixed_graphs.sizes = mixed_graph_token_sizes(
+            min(self.engine_config.mixed_graph_max_tokens, self.max_num_batched_tokens))
+        pool = None
+        if self.mixed_graphs.sizes:
+            try:
+                pool = self.mixed_graphs.capture(self._mixed_graph_body, emulate=emulate)
+            except RuntimeError as exc:  # e.g. "operation not permitted when stream is capturing"
+                logger.warning("prefill and mixed steps stay eager: capturing their CUDA graphs failed "
+                               "(%s)", str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
+                self.mixed_graphs.release()
+                self.mixed_graphs.sizes = []
+                pool = None
+                if not emulate:
+                    torch.cuda.synchronize()
+        self.decode_graphs.capture(self._decode_graph_body, pool=pool, emulate=emulate)

@@ -155,6 +155,7 @@ class StagedStep:
     sample_rows: list[int]
     plp_rows: list[int]
     plp_spans: list[tuple[int, int, int]]
+    mixed: int | None = None  # token bucket of the mixed-step graph it replays, if any
 
 
 __all__ = ["StagedStep", "StagingBuffers", "StepViews"]
