@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import pathlib
@@ -49,6 +50,8 @@ from generate import bench_setup, log, run_bridge, workload  # noqa: E402
 
 from bridge.wire import encode_prompt_embeds  # noqa: E402
 from runner.llm import LLM  # noqa: E402
+
+_SERVER_LOGS = itertools.count()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -152,7 +155,9 @@ async def _client_loop(url: str, bodies: list[bytes], clients: int, start_at: fl
             sent = time.monotonic()
             first = last = None
             async with http.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
-                resp.raise_for_status()
+                if resp.status_code != 200:  # a plain error: httpx's does not cross the process pool
+                    body = (await resp.aread()).decode(errors="replace")
+                    raise RuntimeError(f"HTTP {resp.status_code} from the server: {body[:1000]}")
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -209,7 +214,8 @@ def serve_variant(args, server_args: str, model_dir: pathlib.Path, settings: dic
                   n_max: int) -> dict:
     """One `bridge serve` with `server_args` on top of the benchmark's flags: every client level, its
     runs, the server's own phase metrics, and the Triton builds it logged."""
-    log_path = pathlib.Path(tempfile.gettempdir()) / "bridge_serve_bench.log"
+    log_dir = pathlib.Path(os.environ.get("OUT") or tempfile.gettempdir())
+    log_path = log_dir / f"bridge_serve_bench_{next(_SERVER_LOGS)}.log"  # one per server: kept in $OUT
     pool = None
     results: dict = {"server_args": server_args, "levels": {}}
     started = time.perf_counter()
@@ -283,6 +289,9 @@ def serve_variant(args, server_args: str, model_dir: pathlib.Path, settings: dic
                 f"admitting {res['sum_tick_admit_s']:.2f} s in {res['count_tick_admit']} ticks, "
                 f"stepping {res['sum_engine_step_s']:.2f} s in {res['count_engine_step']} steps; "
                 f"{res['kernel_compiles']:.0f} Triton builds ({res['kernel_compile_s']:.2f} s)")
+    except BaseException:
+        log(f"the run failed; the server's log ends with:\n{log_path.read_text(errors='replace')[-4000:]}")
+        raise
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

@@ -130,6 +130,20 @@ def test_gpu_uploader_round_trips_in_chunks_and_bounds_its_memory():
 
 
 @pytest.mark.gpu
+def test_gpu_flags_are_read_behind_a_busy_copy_stream():
+    """The verdicts are read after the checks that write them, however long the copy stream is busy
+    (a caller whose own stream is idle must not read them early)."""
+    up = HostUploader(torch.device("cuda"))
+    tensors = [torch.full((64, 64), float(i)) for i in range(8)]
+    for _ in range(5):
+        up._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(up._stream):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time ahead of the copies and checks
+        oks = [up.upload(t, torch.bfloat16, check_fits=True)[1] for t in tensors]
+        assert up.read_flags(oks) == [True] * len(tensors)
+
+
+@pytest.mark.gpu
 def test_gpu_upload_rows_packs_a_call_through_the_ring_and_checks_each_source():
     """A call's host prompts as one upload: sources cross ring chunks and chunk edges, an empty one in
     between; each verdict is its own source's; the views equal one-by-one uploads."""

@@ -159,7 +159,11 @@ class HostUploader:
             return []
         if not self.cuda or flags[0].device.type != "cuda":
             return [bool(f) for f in flags]
-        return self.read_flag_tensor(torch.stack(flags))
+        # Stacked on the copy stream, behind the checks that wrote the flags: stacked on the caller's
+        # stream it raced them, and an idle compute stream read flags not yet written (a valid
+        # prompt refused as NaN, seen once prefill steps ran from CUDA graphs and left it idle).
+        with torch.cuda.stream(self._stream):
+            return torch.stack(flags).cpu().tolist()
 
     def read_flag_tensor(self, flags: torch.Tensor) -> list[bool]:
         """Device bools made on the copy stream (`upload_rows`'s verdicts) as bools, waiting for that
