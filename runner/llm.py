@@ -167,7 +167,8 @@ class LLM:
         # advanced meanwhile (reported by the next `step()`).
         self._live_requests: dict[str, Any] = {}
         self._advanced_live: set[str] = set()
-        self.warmup_seconds = warm_up(self) if config.warmup else 0.0
+        with self.runner.startup_phase("warm_up"):
+            self.warmup_seconds = warm_up(self) if config.warmup else 0.0
         # what construction built: a count that grows past this under traffic is a cold first call
         self.kernel_compiles_at_ready = self.kernel_compiles.count if self.kernel_compiles else 0
 

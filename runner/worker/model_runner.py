@@ -17,8 +17,11 @@ full-sequence logits are never formed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -42,6 +45,7 @@ from runner.worker.cuda_graphs import (
 from runner.worker.hf_config import text_config
 from runner.worker.host_upload import HostUploader
 from runner.worker.inputs_embeds import InputsEmbedsBuilder
+from runner.worker.kernel_compiles import kernel_compiles
 from runner.worker.kernels import install_kernels
 from runner.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from runner.worker.memory_profile import profile_peak_memory
@@ -76,14 +80,17 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = tuple(eos_token_ids)
 
+        # Seconds and Triton builds of each start-up phase (load, profile, KV cache, graph captures).
+        self.startup_phases: dict[str, tuple[float, int]] = {}
         model_cls = (AutoModelForImageTextToText if getattr(hf_config, "model_type", None)
                      in _IMAGE_TEXT_MODEL_TYPES else AutoModelForCausalLM)
-        model = model_cls.from_pretrained(
-            config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
-        )
-        self.model = model.to(device).eval().requires_grad_(False)
-        self.kernels = install_kernels(self.model, fused_ops=config.fused_ops,
-                                       fused_linear=config.fused_linear, fused_layers=config.fused_layers)
+        with self.startup_phase("load"):
+            model = model_cls.from_pretrained(
+                config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
+            )
+            self.model = model.to(device).eval().requires_grad_(False)
+            self.kernels = install_kernels(self.model, fused_ops=config.fused_ops,
+                                           fused_linear=config.fused_linear, fused_layers=config.fused_layers)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = wrap_lm_head(model.get_output_embeddings(), hf_config)  # + final logit scaling/capping
@@ -155,6 +162,22 @@ class ModelRunner:
         return min(tokens, self.max_num_seqs)
 
     # ----------------------------------------------------------------------------- setup
+    @contextlib.contextmanager
+    def startup_phase(self, name: str) -> Iterator[None]:
+        """Record the seconds (device work included) and Triton builds of one start-up phase in
+        `startup_phases`: where construction time goes on a cold machine."""
+        cuda = self.device.type == "cuda"
+        compiles = kernel_compiles() if cuda else None
+        builds = compiles.count if compiles is not None else 0
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            built = compiles.count - builds if compiles is not None else 0
+            self.startup_phases[name] = (time.perf_counter() - started, built)
+
     def set_max_model_len(self, max_model_len: int) -> None:
         """(Re)size the per-slot host tables and staging buffers for sequences up to `max_model_len`."""
         self.max_model_len = max_model_len
@@ -186,8 +209,9 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         if on_gpu:  # engines dropped without shutdown() may sit in reference cycles: free them first
             gc.collect()
-        peak = self.activation_peak_bytes = (self.profile_peak_memory()
-                                             if on_gpu and c.kv_cache_memory is None else 0)
+        with self.startup_phase("profile"):
+            peak = self.activation_peak_bytes = (self.profile_peak_memory()
+                                                 if on_gpu and c.kv_cache_memory is None else 0)
         # The mixed-step graphs' pool holds the activations of their largest step beside the eager
         # path's: estimated as the profiled peak's share for that many tokens (an overestimate: the
         # peak includes the sampler's worst case, which no graph holds).
@@ -202,11 +226,14 @@ class ModelRunner:
             logger.warning("KV cache holds %d tokens; max_model_len lowered from %d",
                            num_blocks * self.block_size, self.max_model_len)
             self.set_max_model_len(num_blocks * self.block_size)
-        self.allocate_kv_cache(num_blocks)
+        with self.startup_phase("kv_cache"):
+            self.allocate_kv_cache(num_blocks)
         if c.use_cuda_graphs:
             before = torch.cuda.memory_reserved(self.device)
             self.capture_cuda_graphs()
             self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
+        logger.info("start-up: %s", ", ".join(f"{name} {s:.2f} s ({n} Triton builds)"
+                                              for name, (s, n) in self.startup_phases.items()))
 
     def release(self) -> None:
         """Drop everything this runner holds on the device: graphs, KV cache, buffers, the model."""
@@ -562,7 +589,8 @@ class ModelRunner:
         pool = None
         if self.mixed_graphs.sizes:
             try:
-                pool = self.mixed_graphs.capture(self._mixed_graph_body, emulate=emulate)
+                with self.startup_phase("mixed_graphs"):
+                    pool = self.mixed_graphs.capture(self._mixed_graph_body, emulate=emulate)
             except RuntimeError as exc:  # e.g. "operation not permitted when stream is capturing"
                 logger.warning("prefill and mixed steps stay eager: capturing their CUDA graphs failed "
                                "(%s)", str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
@@ -571,4 +599,5 @@ class ModelRunner:
                 pool = None
                 if not emulate:
                     torch.cuda.synchronize()
-        self.decode_graphs.capture(self._decode_graph_body, pool=pool, emulate=emulate)
+        with self.startup_phase("decode_graphs"):
+            self.decode_graphs.capture(self._decode_graph_body, pool=pool, emulate=emulate)

@@ -1,0 +1,108 @@
+"""Where `LLM(...)` construction time goes on a cold machine, with and without mixed-step graphs.
+
+Why: construction must stay under 15 s for W1 (issue target), and most of it on a fresh machine is
+Triton building kernel specialisations, which a warm on-disk cache hides. Each side runs in its own
+process with an empty `TRITON_CACHE_DIR`, so every side pays its builds as a fresh machine would.
+Reported per side: construction seconds, each start-up phase (`ModelRunner.startup_phases`: load,
+profile, KV cache, mixed-step and decode graph captures, warm-up) with its Triton builds, and the
+kernels built during the graph captures with their seconds.
+
+One command, GPU (about two minutes on an H200):
+
+    python benchmarks/construction.py [--sides 0,512,4096] [--out results.json]
+
+`--sides`: values of `mixed_graph_max_tokens` (0: prefill and mixed steps eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+for path in (REPO, REPO / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+
+class _Builds(logging.Handler):
+    """Collects the kernel-build debug lines of `runner.worker.kernel_compiles` with their phase."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage()[:220])
+
+
+def child(args) -> int:
+    from generate import bench_setup
+
+    from runner.llm import LLM
+
+    builds = _Builds()
+    logger = logging.getLogger("runner.worker.kernel_compiles")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(builds)
+    device, model_dir, dtype = bench_setup(args)
+    started = time.perf_counter()
+    llm = LLM(model_dir, dtype=dtype, device=device, enable_prompt_embeds=True,
+              gpu_memory_utilization=0.85, mixed_graph_max_tokens=args.mixed)
+    out = {"construct_s": time.perf_counter() - started,
+           "phases": {k: {"seconds": s, "builds": n} for k, (s, n) in llm.runner.startup_phases.items()},
+           "builds": builds.lines, "mixed_sizes": llm.runner.mixed_graphs.sizes}
+    print("RESULT " + json.dumps(out))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sides", default="0,512,4096")
+    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU (a smoke run; no graphs)")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mixed", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    if args.model_dir is None:  # built once, before the timed children
+        from generate import bench_setup
+
+        args.model_dir = str(bench_setup(args)[1])
+    results = {}
+    for side in args.sides.split(","):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TRITON_CACHE_DIR": cache}
+            cmd = [sys.executable, __file__, "--child", "--mixed", side, "--model-dir", args.model_dir]
+            cmd += ["--cpu"] if args.cpu else []
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"the side mixed_graph_max_tokens={side} failed")
+        res = results[side] = json.loads(lines[-1][len("RESULT "):])
+        phases = ", ".join(f"{k} {v['seconds']:.2f} s ({v['builds']} builds)"
+                           for k, v in res["phases"].items())
+        print(f"mixed_graph_max_tokens={side}: constructed in {res['construct_s']:.2f} s; {phases}")
+        print(f"  buckets {res['mixed_sizes']}; {len(res['builds'])} Triton builds in all:")
+        for line in res["builds"]:
+            print(f"    {line}")
+    out = args.out
+    if out is None and os.environ.get("OUT"):
+        out = os.path.join(os.environ["OUT"], "construction.json")
+    if out:
+        pathlib.Path(out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
