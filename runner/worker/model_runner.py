@@ -56,6 +56,8 @@ from runner.worker.step_sampling import LaunchedStep, sample_on_device, sampled_
 
 logger = logging.getLogger(__name__)
 
+# The prefill tile class every mixed-step graph is captured with (see `_mixed_graph_body`).
+MIXED_GRAPH_MIN_QUERY_ROWS = 64
 # Extra room reserved on the GPU beyond the profiled peak: CUDA graphs, allocator slack.
 GPU_HEADROOM_BYTES = 1 << 30
 # Composite checkpoints with no causal-LM class in transformers 5: load the full model and run its
@@ -559,10 +561,13 @@ class ModelRunner:
         v.query_start_loc.zero_()
         v.seq_lens.zero_()
         v.block_tables.zero_()
-        # No host copies of the request layout: the kernels read it on the device, both attention
-        # kernels always launch, and the prefill tiles are the ones for `tokens`-row queries.
+        # No host copies of the request layout: the kernels read it on the device, and both attention
+        # kernels always launch. Every bucket uses the prefill tile class of 64-row queries or more (the
+        # one the construction warm-up builds): the 16- and 32-token buckets' own classes built two more
+        # kernels at start-up (about 1 s each on a cold machine) for steps of a few microseconds.
         meta = AttentionMetadata(v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
-                                 max_query_len=tokens, max_seq_len=self.max_model_len, num_reqs=rows)
+                                 max_query_len=max(tokens, MIXED_GRAPH_MIN_QUERY_ROWS),
+                                 max_seq_len=self.max_model_len, num_reqs=rows)
         embeds = self.embeds_builder.dummy_inputs_embeds(tokens)
 
         def body() -> None:
