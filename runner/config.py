@@ -29,9 +29,21 @@ DTYPES: dict[str, torch.dtype] = {
 MAX_DECODE_WINDOW = 32
 # Measured on an H200 (W1 of benchmarks/generate.py): 8 -> 35%, 16 -> 39%, 32 -> 40% of the roofline.
 DEFAULT_DECODE_WINDOW = 32
-# Largest step a mixed-step CUDA graph covers by default (runner.worker.cuda_graphs). Above it a step's
-# GPU work outgrows the host time an eager step spends launching it.
-DEFAULT_MIXED_GRAPH_MAX_TOKENS = 4096
+# Largest step a mixed-step CUDA graph covers by default (runner.worker.cuda_graphs): the token count
+# whose decoder matmuls reach MIXED_GRAPH_WORK_FLOP (2 x decoder parameters x tokens), rounded down to a
+# power of two within [512, 4096]. Why: an eager step costs roughly fixed host time (15-25 ms for 28
+# layers), so a graph pays while the step's GPU work is short beside it, and a bucket pads a step by up
+# to half, work a large model's long steps would pay for in GPU time. W1's model (0.44B decoder
+# parameters) gets 4096, a 7B model 512, as vLLM captures by default.
+MIXED_GRAPH_WORK_FLOP = 4e12
+MIXED_GRAPH_MAX_TOKENS_RANGE = (512, 4096)
+
+
+def auto_mixed_graph_max_tokens(decoder_params: int) -> int:
+    """The default `mixed_graph_max_tokens` for a decoder of `decoder_params` parameters (see above)."""
+    lo, hi = MIXED_GRAPH_MAX_TOKENS_RANGE
+    tokens = int(MIXED_GRAPH_WORK_FLOP / (2 * max(1, decoder_params)))
+    return max(lo, min(hi, 1 << max(0, tokens.bit_length() - 1)))
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: Any = None) -> torch.dtype:
@@ -71,8 +83,9 @@ class EngineConfig:
     Fields left None are decided by `resolve`: `device` (CUDA when available), `max_num_seqs`
     (256 on a GPU, 32 on the CPU), `max_num_batched_tokens` (8192 / 2048), `max_model_len` (the
     model's context), `decode_window` (32 with CUDA graphs, else 1), `mixed_graph_max_tokens` (the
-    largest prefill/mixed step replayed from a CUDA graph: 4096 or `max_num_batched_tokens` if smaller;
-    0: such steps run eagerly; only used with CUDA graphs), and the kernel switches
+    largest prefill/mixed step replayed from a CUDA graph; None: decided from the model's size when it
+    is loaded, `auto_mixed_graph_max_tokens`; 0: such steps run eagerly; only used with CUDA graphs;
+    never above `max_num_batched_tokens`), and the kernel switches
     `fused_ops` / `fused_linear` / `fused_layers` (on on the GPU unless BRIDGE_FUSED_OPS /
     BRIDGE_FUSED_LINEAR / BRIDGE_FUSED_LAYERS is '0'; off on the CPU), and `warmup` (on on the GPU:
     a few dummy requests at construction compile the step's kernels, so the first real call does
@@ -144,10 +157,9 @@ class EngineConfig:
         if isinstance(c.decode_window, bool) or not isinstance(c.decode_window, int) \
                 or not 1 <= c.decode_window <= MAX_DECODE_WINDOW:
             raise ValueError(f"decode_window must be in [1, {MAX_DECODE_WINDOW}], got {c.decode_window!r}")
-        if c.mixed_graph_max_tokens is None:
-            c.mixed_graph_max_tokens = DEFAULT_MIXED_GRAPH_MAX_TOKENS
-        _check_int("mixed_graph_max_tokens", c.mixed_graph_max_tokens, 0)
-        c.mixed_graph_max_tokens = min(c.mixed_graph_max_tokens, c.max_num_batched_tokens)
+        if c.mixed_graph_max_tokens is not None:  # None: from the model's size (ModelRunner)
+            _check_int("mixed_graph_max_tokens", c.mixed_graph_max_tokens, 0)
+            c.mixed_graph_max_tokens = min(c.mixed_graph_max_tokens, c.max_num_batched_tokens)
         if c.fused_ops is None:
             c.fused_ops = gpu and env_switch("BRIDGE_FUSED_OPS")
         if c.fused_linear is None:
@@ -159,5 +171,5 @@ class EngineConfig:
         return c
 
 
-__all__ = ["DEFAULT_DECODE_WINDOW", "DEFAULT_MIXED_GRAPH_MAX_TOKENS", "DTYPES", "MAX_DECODE_WINDOW",
-           "EngineConfig", "resolve_dtype"]
+__all__ = ["DEFAULT_DECODE_WINDOW", "DTYPES", "MAX_DECODE_WINDOW", "MIXED_GRAPH_WORK_FLOP", "EngineConfig",
+           "auto_mixed_graph_max_tokens", "resolve_dtype"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bridge.tiny_models import build_tiny_model
-from runner.config import EngineConfig
+from runner.config import EngineConfig, auto_mixed_graph_max_tokens
 from runner.llm import LLM
 from runner.sampling_params import SamplingParams
 from runner.worker.cuda_graphs import mixed_graph_token_sizes
@@ -54,11 +54,22 @@ def test_token_buckets_pad_by_less_than_half():
         assert big <= small * 3 // 2
 
 
+def test_default_cap_follows_the_decoder_size(model_dir):
+    assert auto_mixed_graph_max_tokens(440_000_000) == 4096  # W1's model: 0.44B decoder parameters
+    assert auto_mixed_graph_max_tokens(1_300_000_000) == 1024
+    assert auto_mixed_graph_max_tokens(6_500_000_000) == 512  # 7B and up: vLLM's default capture size
+    assert auto_mixed_graph_max_tokens(100_000) == 4096  # tiny models: the upper bound
+    llm = LLM(model_dir, device="cpu", num_kv_blocks=16, max_num_batched_tokens=1000)
+    assert llm.runner.mixed_graph_max_tokens == 1000  # never above the step budget
+    assert LLM(model_dir, device="cpu", num_kv_blocks=16,
+               mixed_graph_max_tokens=0).runner.mixed_graph_max_tokens == 0
+
+
 def test_config_default_validation_and_clamp(model_dir):
     from runner.worker.model_states import load_hf_config
 
     hf = load_hf_config(model_dir)
-    assert EngineConfig(str(model_dir), device="cpu").resolve(hf).mixed_graph_max_tokens == 2048  # the budget
+    assert EngineConfig(str(model_dir), device="cpu").resolve(hf).mixed_graph_max_tokens is None  # auto
     assert EngineConfig(str(model_dir), device="cpu", max_num_batched_tokens=64,
                         mixed_graph_max_tokens=100).resolve(hf).mixed_graph_max_tokens == 64
     off = EngineConfig(str(model_dir), device="cpu", mixed_graph_max_tokens=0).resolve(hf)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from runner.config import MAX_DECODE_WINDOW, EngineConfig, env_switch
+from runner.config import MAX_DECODE_WINDOW, EngineConfig, auto_mixed_graph_max_tokens, env_switch
 from runner.engine.request import Request
 from runner.engine.step_io import SchedulerOutput, StepResult
 from runner.layers.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
@@ -97,6 +97,11 @@ class ModelRunner:
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = wrap_lm_head(model.get_output_embeddings(), hf_config)  # + final logit scaling/capping
         self.hidden_size = text_config(hf_config).hidden_size
+        # Largest step replayed from a mixed-step graph: as configured, else from the decoder's size.
+        decoder_params = sum(p.numel() for p in self.decoder.parameters()) - self.embed_tokens.weight.numel()
+        self.mixed_graph_max_tokens = min(
+            config.mixed_graph_max_tokens if config.mixed_graph_max_tokens is not None
+            else auto_mixed_graph_max_tokens(decoder_params), config.max_num_batched_tokens)
         self.vocab_size = self.embed_tokens.weight.shape[0]
         self.kv_spec = KVCacheSpec.from_config(hf_config, dtype, config.block_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -217,7 +222,7 @@ class ModelRunner:
         # The mixed-step graphs' pool holds the activations of their largest step beside the eager
         # path's: estimated as the profiled peak's share for that many tokens (an overestimate: the
         # peak includes the sampler's worst case, which no graph holds).
-        graph_peak = (peak * c.mixed_graph_max_tokens // self.max_num_batched_tokens
+        graph_peak = (peak * self.mixed_graph_max_tokens // self.max_num_batched_tokens
                       if c.use_cuda_graphs else 0)
         num_blocks = determine_num_blocks(
             self.kv_spec, self.device, num_kv_blocks=c.num_kv_blocks, kv_cache_memory=c.kv_cache_memory,
@@ -590,7 +595,7 @@ class ModelRunner:
         sizes = cuda_graph_batch_sizes(min(self.max_num_seqs, self.max_num_batched_tokens))
         self.decode_graphs.allocate(sizes, self.vocab_size, MAX_DECODE_WINDOW, self.device)
         self.mixed_graphs.sizes = mixed_graph_token_sizes(
-            min(self.engine_config.mixed_graph_max_tokens, self.max_num_batched_tokens))
+            min(self.mixed_graph_max_tokens, self.max_num_batched_tokens))
         pool = None
         if self.mixed_graphs.sizes:
             try:
