@@ -135,6 +135,28 @@ def test_passthrough_items_gathered_before_a_mixed_replay(model_dir):
     assert got == want and graphed.runner.num_mixed_graph_replays > 0
 
 
+def test_a_failed_capture_keeps_prefills_eager_and_decode_graphs(model_dir, monkeypatch, caplog):
+    """A model whose prefill forward cannot be captured (a host sync in some layer) still builds: the
+    failure is logged, prefills run eagerly, decode steps keep their graphs, the tokens are unchanged."""
+    from runner.worker.model_runner import ModelRunner
+
+    def uncapturable(self, tokens):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    kw = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=4)
+    reference = LLM(model_dir, **kw)
+    llm = LLM(model_dir, **kw)
+    monkeypatch.setattr(ModelRunner, "_mixed_graph_body", uncapturable)
+    with caplog.at_level("WARNING", logger="runner.worker.model_runner"):
+        llm.runner.capture_cuda_graphs(emulate=True)
+    assert "prefill and mixed steps stay eager" in caplog.text and "stream is capturing" in caplog.text
+    assert not llm.runner.mixed_graphs.graphs and llm.runner.decode_graphs.graphs
+    batch = [{"prompt_token_ids": list(range(20, 20 + n))} for n in (5, 19, 9)]
+    assert _tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == \
+        _tokens(reference.generate(batch, GREEDY, use_tqdm=False))
+    assert llm.runner.num_mixed_graph_replays == 0 and llm.runner.num_graph_replays > 0
+
+
 @pytest.mark.gpu
 def test_mixed_graphs_on_the_gpu_match_hf(model_dir):
     if not torch.cuda.is_available():

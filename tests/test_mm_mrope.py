@@ -132,6 +132,23 @@ def test_mrope_engine_matches_transformers(model_dir, hf_model, chunked):
     assert llm.num_free_blocks == llm.num_total_blocks
 
 
+def test_mrope_prefills_stay_eager_beside_captured_graphs(model_dir, hf_model):
+    """3-D prefill positions have no place in a mixed-step graph (it feeds 1-D ones): with graphs
+    captured (emulated), prefill steps run eagerly, decode steps replay, and the tokens are HF's."""
+    enc = GridImageEncoder()
+    llm = LLM(model_dir, enable_prompt_embeds=True, encoders={"image": enc}, async_scheduling=False,
+              device="cpu", num_kv_blocks=64, max_num_batched_tokens=5, max_num_seqs=2)
+    llm.runner.capture_cuda_graphs(emulate=True)
+    assert llm.runner.mixed_graphs.graphs  # captured, yet never used for these prefills
+    embeds_id = llm.get_tokenizer().convert_tokens_to_ids("<embeds>")
+    image, item = _inputs()
+    prompt = {"prompt": TEXT, "multi_modal_data": {"image": [image], "prompt_embeds": [item]}}
+    out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    *_, ref_tokens = _reference(hf_model, enc, out.prompt_token_ids, image, item, embeds_id)
+    assert out.outputs[0].token_ids == ref_tokens
+    assert llm.runner.num_mixed_graph_replays == 0 and llm.runner.num_graph_replays > 0
+
+
 def test_mrope_text_prompt_next_to_media_prompt(model_dir, hf_model):
     enc = GridImageEncoder()
     llm = LLM(model_dir, enable_prompt_embeds=True,
