@@ -138,16 +138,16 @@ def test_passthrough_items_gathered_before_a_mixed_replay(model_dir):
 def test_a_failed_capture_keeps_prefills_eager_and_decode_graphs(model_dir, monkeypatch, caplog):
     """A model whose prefill forward cannot be captured (a host sync in some layer) still builds: the
     failure is logged, prefills run eagerly, decode steps keep their graphs, the tokens are unchanged."""
-    from runner.worker.model_runner import ModelRunner
+    from runner.worker import step_graphs
 
-    def uncapturable(self, tokens):
+    def uncapturable(runner, tokens):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     kw = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=4)
     reference = LLM(model_dir, **kw)
     llm = LLM(model_dir, **kw)
-    monkeypatch.setattr(ModelRunner, "_mixed_graph_body", uncapturable)
-    with caplog.at_level("WARNING", logger="runner.worker.model_runner"):
+    monkeypatch.setattr(step_graphs, "mixed_graph_body", uncapturable)
+    with caplog.at_level("WARNING", logger="runner.worker.step_graphs"):
         llm.runner.capture_cuda_graphs(emulate=True)
     assert "prefill and mixed steps stay eager" in caplog.text and "stream is capturing" in caplog.text
     assert not llm.runner.mixed_graphs.graphs and llm.runner.decode_graphs.graphs

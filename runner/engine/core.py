@@ -16,7 +16,7 @@ Async scheduling (vLLM's scheme; at most one step in flight). One `step()` call 
 
 Planning n+1 is optimistic: every request sampling in step n has one more (pending) token, its KV
 slot taken now, and its id is copied on the device from step n's sampled ids
-(`ModelRunner._feed_pending_tokens`). Finishing step n is the one host sync: read its tokens,
+(`runner.worker.pending_tokens`). Finishing step n is the one host sync: read its tokens,
 append, stop checks. A request that stopped at step n was already planned into n+1: that output
 is discarded (`Scheduler.finish_step` skips finished requests) and its blocks and slot are freed
 once; what step n+1 still writes into them is ordered before any later use on the device stream.

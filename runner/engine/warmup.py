@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 def _counter_owners(llm: LLM) -> list[Any]:
     core = llm.core
     owners = [llm, core, core.scheduler, core.runner, getattr(core.scheduler, "block_manager", None),
-              llm.mm, getattr(llm.mm, "cache", None), core.runner.uploader]
+              llm.mm, getattr(llm.mm, "cache", None), core.runner.uploader, core.runner.token_feed]
     return [o for o in owners if o is not None]
 
 

@@ -20,15 +20,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from runner.config import MAX_DECODE_WINDOW, EngineConfig, auto_mixed_graph_max_tokens, env_switch
+from runner.config import EngineConfig, auto_mixed_graph_max_tokens, env_switch
 from runner.engine.request import Request
 from runner.engine.step_io import SchedulerOutput, StepResult
 from runner.layers.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
@@ -36,28 +34,23 @@ from runner.layers.hf_attention import ATTN_IMPLEMENTATION, register_bridge_atte
 from runner.layers.logits_head import wrap_lm_head
 from runner.layers.sampler import Sampler
 from runner.multimodal.state import MultimodalState
-from runner.worker.cuda_graphs import (
-    DecodeGraphs,
-    GraphBuckets,
-    cuda_graph_batch_sizes,
-    mixed_graph_token_sizes,
-)
+from runner.worker.cuda_graphs import DecodeGraphs, GraphBuckets
 from runner.worker.hf_config import text_config
 from runner.worker.host_upload import HostUploader
 from runner.worker.inputs_embeds import InputsEmbedsBuilder
-from runner.worker.kernel_compiles import kernel_compiles
 from runner.worker.kernels import install_kernels
 from runner.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from runner.worker.memory_profile import profile_peak_memory
+from runner.worker.pending_tokens import PendingTokenFeed
 from runner.worker.prompt_embeds import PromptEmbedsState
 from runner.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
 from runner.worker.staging import StagedStep, StagingBuffers
+from runner.worker.startup_phases import StartupPhases
+from runner.worker.step_graphs import capture_step_graphs
 from runner.worker.step_sampling import LaunchedStep, sample_on_device, sampled_result
 
 logger = logging.getLogger(__name__)
 
-# The prefill tile class every mixed-step graph is captured with (see `_mixed_graph_body`).
-MIXED_GRAPH_MIN_QUERY_ROWS = 64
 # Extra room reserved on the GPU beyond the profiled peak: CUDA graphs, allocator slack.
 GPU_HEADROOM_BYTES = 1 << 30
 # Composite checkpoints with no causal-LM class in transformers 5: load the full model and run its
@@ -83,7 +76,8 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
 
         # Seconds and Triton builds of each start-up phase (load, profile, KV cache, graph captures).
-        self.startup_phases: dict[str, tuple[float, int]] = {}
+        self._startup = StartupPhases(device)
+        self.startup_phases = self._startup.phases
         model_cls = (AutoModelForImageTextToText if getattr(hf_config, "model_type", None)
                      in _IMAGE_TEXT_MODEL_TYPES else AutoModelForCausalLM)
         with self.startup_phase("load"):
@@ -126,15 +120,8 @@ class ModelRunner:
         self.activation_peak_bytes = self.cuda_graph_pool_bytes = 0  # measured by setup()
         self.num_decode_windows = 0
         self.num_forward_steps = 0
-        # Async scheduling: input ids copied on the device from the step in flight (pinned index
-        # buffers used in turn on a GPU, like the staging buffers).
-        self.num_fed_tokens = 0
-        self._feed_turn = 0
-        if device.type == "cuda":
-            self._feed_host = [torch.zeros(2 * max_num_seqs, dtype=torch.int64, pin_memory=True)
-                               for _ in range(2)]
-            self._feed_dev = torch.zeros(2 * max_num_seqs, dtype=torch.int64, device=device)
-            self._feed_events = [torch.cuda.Event(), torch.cuda.Event()]
+        # Async scheduling: input ids copied on the device from the step in flight.
+        self.token_feed = PendingTokenFeed(max_num_seqs, device)
         if setup:
             self.setup()
 
@@ -160,6 +147,11 @@ class ModelRunner:
         return self.kernels.num_grouped_moe
 
     @property
+    def num_fed_tokens(self) -> int:
+        """Pending tokens async scheduling copied on the device (`runner.worker.pending_tokens`)."""
+        return self.token_feed.num_fed_tokens
+
+    @property
     def graphs(self) -> dict:
         """Captured decode graphs by batch-size bucket (empty: every step runs eagerly)."""
         return self.decode_graphs.graphs
@@ -169,21 +161,10 @@ class ModelRunner:
         return min(tokens, self.max_num_seqs)
 
     # ----------------------------------------------------------------------------- setup
-    @contextlib.contextmanager
-    def startup_phase(self, name: str) -> Iterator[None]:
-        """Record the seconds (device work included) and Triton builds of one start-up phase in
-        `startup_phases`: where construction time goes on a cold machine."""
-        cuda = self.device.type == "cuda"
-        compiles = kernel_compiles() if cuda else None
-        builds = compiles.count if compiles is not None else 0
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            built = compiles.count - builds if compiles is not None else 0
-            self.startup_phases[name] = (time.perf_counter() - started, built)
+    def startup_phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """`with runner.startup_phase(name):` records the block's seconds and Triton builds in
+        `startup_phases` (`runner.worker.startup_phases`)."""
+        return self._startup.record(name)
 
     def set_max_model_len(self, max_model_len: int) -> None:
         """(Re)size the per-slot host tables and staging buffers for sequences up to `max_model_len`."""
@@ -239,8 +220,7 @@ class ModelRunner:
             before = torch.cuda.memory_reserved(self.device)
             self.capture_cuda_graphs()
             self.cuda_graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
-        logger.info("start-up: %s", ", ".join(f"{name} {s:.2f} s ({n} Triton builds)"
-                                              for name, (s, n) in self.startup_phases.items()))
+        logger.info("start-up: %s", self._startup.summary())
 
     def release(self) -> None:
         """Drop everything this runner holds on the device: graphs, KV cache, buffers, the model."""
@@ -252,7 +232,7 @@ class ModelRunner:
         self.embeds_builder = None
         self.staging = None
         self.uploader = None
-        self._feed_host = self._feed_dev = None
+        self.token_feed.release()
         self.model = self.decoder = self.embed_tokens = self.lm_head = None
 
     # ----------------------------------------------------------------------------- slots
@@ -399,7 +379,7 @@ class ModelRunner:
         """
         sd = self._stage(so)
         v, t, r, bucket, sample_rows = sd.views, sd.t, sd.r, sd.bucket, sd.sample_rows
-        self._feed_pending_tokens(so, sd, prev)
+        self.token_feed.feed(so, sd, prev)
         positions = v.positions
         items = self.mm.gather_step(so.requests, so.num_scheduled_tokens) if self.mm is not None else None
         embeds = self.embeds_builder.build(self.embed_tokens, v.input_ids)
@@ -440,39 +420,6 @@ class ModelRunner:
         if sd.plp_rows:  # read in `finish` (never a graph step, so these logits are not overwritten)
             step.plp_logits, step.plp_spans = logits[len(sample_rows) :], sd.plp_spans
         return step
-
-    def _feed_pending_tokens(self, so: SchedulerOutput, sd: StagedStep, prev: LaunchedStep | None) -> None:
-        """Input ids the host does not know yet: copied on the device from `prev`'s sampled ids."""
-        dst: list[int] = []
-        src: list[int] = []
-        for i, req in enumerate(so.requests):
-            if not req.num_pending_outputs:
-                continue
-            if req.num_pending_outputs > 1 or prev is None or req.request_id not in prev.sample_index:
-                raise RuntimeError(f"request {req.request_id}: its pending token is not from the step in "
-                                   "flight (async scheduling must finish older steps first)")
-            pos = req.num_tokens - 1  # the pending token is the request's last one
-            start = int(sd.cu[i] - sd.nsched[i])
-            nc = req.num_computed_tokens
-            if nc <= pos < nc + int(sd.nsched[i]):
-                dst.append(start + pos - nc)
-                src.append(prev.sample_index[req.request_id])
-        if not dst:
-            return
-        n = len(dst)
-        if self.device.type == "cuda":  # pinned, used in turn like the staging buffers
-            self._feed_turn ^= 1
-            host, event = self._feed_host[self._feed_turn], self._feed_events[self._feed_turn]
-            event.synchronize()  # its previous upload has run (in practice long ago)
-            host[:n] = torch.tensor(dst)
-            host[n : 2 * n] = torch.tensor(src)
-            idx = self._feed_dev[: 2 * n]
-            idx.copy_(host[: 2 * n], non_blocking=True)
-            event.record()
-        else:
-            idx = torch.tensor(dst + src, dtype=torch.int64)
-        sd.views.input_ids.index_copy_(0, idx[:n], prev.token_ids.index_select(0, idx[n:]))
-        self.num_fed_tokens += n
 
     @torch.inference_mode()
     def finish(self, step: LaunchedStep) -> StepResult:
@@ -531,83 +478,7 @@ class ModelRunner:
         return out
 
     # ----------------------------------------------------------------------------- CUDA graphs
-    def _decode_graph_body(self, b: int):
-        """The work a decode graph of bucket `b` replays, on the fixed views of that bucket."""
-        st = self.staging
-        v = st.views(st.dev64, st.dev32, b, b, self.max_blocks_per_req, 0)
-        v.input_ids.zero_()
-        v.positions.zero_()
-        v.slot_mapping.fill_(-1)
-        v.query_start_loc.copy_(torch.arange(b + 1, dtype=torch.int32))
-        v.seq_lens.zero_()
-        v.block_tables.zero_()
-        meta = AttentionMetadata(v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
-                                 max_query_len=1, max_seq_len=self.max_model_len, num_reqs=b,
-                                 is_decode_only=True)
-        embeds = self.embeds_builder.dummy_inputs_embeds(b)
-
-        def body() -> None:
-            # The fp32 buffer takes the model-dtype logits in one casting copy (no fp32 temporary).
-            logits = self._forward(embeds, v.positions, meta, None, to_float=False)
-            self.decode_graphs.logits[:b].copy_(logits)
-
-        return body
-
-    def _mixed_graph_body(self, tokens: int):
-        """The work a mixed-step graph of `tokens` tokens replays: the decoder over `tokens` rows and
-        the LM head over one row per request slot (sampled rows first, `logits_indices`)."""
-        st = self.staging
-        rows = self.mixed_graph_rows(tokens)
-        v = st.views(st.dev64, st.dev32, tokens, rows, self.max_blocks_per_req, rows)
-        v.input_ids.zero_()
-        v.positions.zero_()
-        v.slot_mapping.fill_(-1)
-        v.logits_indices.zero_()
-        v.query_start_loc.zero_()
-        v.seq_lens.zero_()
-        v.block_tables.zero_()
-        # No host copies of the request layout: the kernels read it on the device, and both attention
-        # kernels always launch. Every bucket uses the prefill tile class of 64-row queries or more (the
-        # one the construction warm-up builds): the 16- and 32-token buckets' own classes built two more
-        # kernels at start-up (about 1 s each on a cold machine) for steps of a few microseconds.
-        meta = AttentionMetadata(v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
-                                 max_query_len=max(tokens, MIXED_GRAPH_MIN_QUERY_ROWS),
-                                 max_seq_len=self.max_model_len, num_reqs=rows)
-        embeds = self.embeds_builder.dummy_inputs_embeds(tokens)
-
-        def body() -> None:
-            logits = self._forward(embeds, v.positions, meta, v.logits_indices, to_float=False)
-            self.decode_graphs.logits[:rows].copy_(logits)
-
-        return body
-
-    @torch.inference_mode()
     def capture_cuda_graphs(self, *, emulate: bool = False) -> None:
-        """Capture the mixed-step graphs, then a decode graph per batch-size bucket, in one memory
-        pool (`runner.worker.cuda_graphs`); on the CPU only with `emulate=True` (tests), where
-        "replay" runs the same body eagerly.
-
-        A model whose prefill forward cannot be captured (a host sync in some layer) keeps eager
-        prefill steps: the failure is logged and only the decode graphs are kept.
-        """
-        if self.device.type != "cuda" and not emulate:
-            return
-        sizes = cuda_graph_batch_sizes(min(self.max_num_seqs, self.max_num_batched_tokens))
-        self.decode_graphs.allocate(sizes, self.vocab_size, MAX_DECODE_WINDOW, self.device)
-        self.mixed_graphs.sizes = mixed_graph_token_sizes(
-            min(self.mixed_graph_max_tokens, self.max_num_batched_tokens))
-        pool = None
-        if self.mixed_graphs.sizes:
-            try:
-                with self.startup_phase("mixed_graphs"):
-                    pool = self.mixed_graphs.capture(self._mixed_graph_body, emulate=emulate)
-            except RuntimeError as exc:  # e.g. "operation not permitted when stream is capturing"
-                logger.warning("prefill and mixed steps stay eager: capturing their CUDA graphs failed "
-                               "(%s)", str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
-                self.mixed_graphs.release()
-                self.mixed_graphs.sizes = []
-                pool = None
-                if not emulate:
-                    torch.cuda.synchronize()
-        with self.startup_phase("decode_graphs"):
-            self.decode_graphs.capture(self._decode_graph_body, pool=pool, emulate=emulate)
+        """Capture the mixed-step graphs, then the decode graphs (`runner.worker.step_graphs`); on the
+        CPU only with `emulate=True` (tests), where "replay" runs the same body eagerly."""
+        capture_step_graphs(self, emulate=emulate)
