@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,9 +73,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return child(args)
-    if args.model_dir is None:  # built once, before the timed children
-        from generate import bench_setup
+    from generate import bench_setup, child_result, write_results
 
+    if args.model_dir is None:  # built once, before the timed children
         args.model_dir = str(bench_setup(args)[1])
     results = {}
     for side in args.sides.split(","):
@@ -84,23 +83,14 @@ def main() -> int:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
             cmd = [sys.executable, __file__, "--child", "--mixed", side, "--model-dir", args.model_dir]
             cmd += ["--cpu"] if args.cpu else []
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"the side mixed_graph_max_tokens={side} failed")
-        res = results[side] = json.loads(lines[-1][len("RESULT "):])
+            res = results[side] = child_result(cmd, f"the side mixed_graph_max_tokens={side}", env)
         phases = ", ".join(f"{k} {v['seconds']:.2f} s ({v['builds']} builds)"
                            for k, v in res["phases"].items())
         print(f"mixed_graph_max_tokens={side}: constructed in {res['construct_s']:.2f} s; {phases}")
         print(f"  buckets {res['mixed_sizes']}; {len(res['builds'])} Triton builds in all:")
         for line in res["builds"]:
             print(f"    {line}")
-    out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = os.path.join(os.environ["OUT"], "construction.json")
-    if out:
-        pathlib.Path(out).write_text(json.dumps(results, indent=2))
+    write_results(results, args.out, "construction.json")
     return 0
 
 

@@ -21,7 +21,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -73,6 +72,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return child(args)
+    from generate import child_result, write_results
+
     results = {}
     for side, value in SIDES.items():
         env = dict(os.environ)
@@ -82,12 +83,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--child", "--batches", args.batches, "--repeats", str(args.repeats)]
         cmd += ["--cpu"] if args.cpu else []
         cmd += ["--model-dir", args.model_dir] if args.model_dir else []
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"the {side} side failed")
-        results[side] = json.loads(lines[-1][len("RESULT "):])
+        results[side] = child_result(cmd, f"the {side} side", env)
     print(f"device: {results['on']['device']}; construction off {results['off']['construct_s']:.1f} s, "
           f"on {results['on']['construct_s']:.1f} s")
     print("| batch | off tok/s | on tok/s | off ms/step | on ms/step | on / off | tokens equal | builds |")
@@ -102,12 +98,7 @@ def main() -> int:
         print(f"| {b} | {off['tok_s']:,.0f} | {on['tok_s']:,.0f} | {off['ms_per_step']:.3f} | "
               f"{on['ms_per_step']:.3f} | {on['tok_s'] / off['tok_s']:.3f} | {same} | "
               f"{off['builds']}/{on['builds']} |")
-    out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = os.path.join(os.environ["OUT"], "decode_batches.json")
-    if out:
-        summary = {"device": results["on"]["device"], "batches": table}
-        pathlib.Path(out).write_text(json.dumps(summary, indent=2))
+    write_results({"device": results["on"]["device"], "batches": table}, args.out, "decode_batches.json")
     return 0
 
 

@@ -59,6 +59,7 @@ import pathlib
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -169,6 +170,17 @@ def write_results(results: dict, out: str | None, default_name: str) -> None:
         pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(out).write_text(json.dumps(results, indent=2))
         print(f"wrote {out}")
+
+
+def child_result(cmd: list[str], what: str, env: dict | None = None) -> dict:
+    """Run one side of an A/B benchmark in its own process (`cmd`) and return the JSON it printed on its
+    last `RESULT ` line; a side that fails or prints none ends the benchmark with its output."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"{what} failed")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def token_match(a: list[list[int]], b: list[list[int]]) -> float:

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -91,18 +89,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.child:
         return child(args)
+    from generate import child_result, write_results
+
     results = {}
     for side, value in SIDES.items():
         cmd = [sys.executable, __file__, "--child", "--repeats", str(args.repeats)]
         cmd += ["--cpu"] if args.cpu else []
         cmd += ["--model-dir", args.model_dir] if args.model_dir else []
         cmd += ["--mixed", str(value)] if value is not None else []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"the {side} side failed")
-        results[side] = json.loads(lines[-1][len("RESULT "):])
+        results[side] = child_result(cmd, f"the {side} side")
     eager, graphs = results["eager"], results["graphs"]
     print(f"device: {graphs['device']}; mixed-graph buckets {graphs['mixed_graphs']}; construction eager "
           f"{eager['construct_s']:.1f} s, graphs {graphs['construct_s']:.1f} s")
@@ -116,13 +111,9 @@ def main() -> int:
           f"({graphs['w1_tok_s'] / eager['w1_tok_s']:.3f}x; {graphs['mixed_replays']} mixed replays); "
           f"requests with equal greedy tokens {same}/{len(eager['tokens'])}; "
           f"kernel builds in timed runs {eager['w1_builds']}/{graphs['w1_builds']}")
-    out = args.out
-    if out is None and os.environ.get("OUT"):
-        out = os.path.join(os.environ["OUT"], "prefill_steps.json")
-    if out:
-        for side in results.values():
-            side.pop("tokens", None)
-        pathlib.Path(out).write_text(json.dumps(results, indent=2))
+    for side in results.values():
+        side.pop("tokens", None)
+    write_results(results, args.out, "prefill_steps.json")
     return 0
 
 

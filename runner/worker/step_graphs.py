@@ -91,7 +91,7 @@ def capture_step_graphs(runner: ModelRunner, *, emulate: bool = False) -> None:
     sizes = cuda_graph_batch_sizes(min(runner.max_num_seqs, runner.max_num_batched_tokens))
     runner.decode_graphs.allocate(sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device)
     mixed = runner.mixed_graphs
-    mixed.sizes = mixed_graph_token_sizes(min(runner.mixed_graph_max_tokens, runner.max_num_batched_tokens))
+    mixed.sizes = mixed_graph_token_sizes(runner.mixed_graph_max_tokens)  # capped at the step budget
     pool = None
     if mixed.sizes:
         try:
