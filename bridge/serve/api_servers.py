@@ -2,13 +2,15 @@
 
 Why: with the engine in its own process, what limits a burst of large prompt-embeds bodies is the one
 process that receives, parses and forwards them (about 2.8 ms per 1.9 MB request on an H200 host:
-64 requests reach the engine over 0.2 s). N API processes share the listening socket (the kernel
-hands each connection to one of them) and each talks to the engine over its own pair of pipes, so
+64 requests reach the engine over 0.2 s). N API processes share the port (the kernel hands each
+connection to one of them) and each talks to the engine over its own pair of pipes, so
 ingest runs N-wide while the engine still batches every request together.
 
-Layout: this (parent) process launches the engine process, binds the socket, starts the N API
+Layout: this (parent) process launches the engine process, binds the sockets, starts the N API
 processes while the engine builds (their imports take seconds each, as long as a small engine's
-build), hands each the engine's description once it is ready, and then only watches. A port already
+build), hands each the engine's description once it is ready, and then only watches. Each API
+process listens on a socket of its own, all on the one port, so the kernel spreads connections
+evenly (`listen_sockets.py`: a shared socket gave a burst to whichever process woke first). A port already
 taken fails at once, not after the build. SIGTERM or SIGINT to it is passed to every API process, which
 drains as a single server does (stops accepting, lets its running requests finish within
 `--shutdown-timeout`, aborts the rest) and tells the engine it is done; the engine process ends when
@@ -37,6 +39,7 @@ from typing import Any
 from bridge.serve.app import build_app
 from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess
 from bridge.serve.ingest import close_pool, spawn_ingest_pool, warm_up
+from bridge.serve.listen_sockets import listening_sockets
 from bridge.serve.state_builder import ingest_workers, server_state
 from bridge.serve.uvicorn_server import graceful_server, uvicorn_config
 
@@ -115,14 +118,12 @@ def _stopped_by(exitcode: int | None, stopping: bool) -> bool:
 
 def serve_with_api_servers(args: argparse.Namespace) -> int:
     """Start the engine process and `args.api_server_count` API processes; watch them until a signal."""
-    import uvicorn
-
     count = args.api_server_count
     metrics_dir = tempfile.mkdtemp(prefix="bridge-metrics-")
     os.environ[METRICS_DIR_ENV] = metrics_dir  # inherited by the processes started below
     ctx = multiprocessing.get_context("spawn")
     try:  # first, so that a port already taken fails before anything starts
-        sock = uvicorn.Config(app=None, host=args.host, port=args.port).bind_socket()
+        socks = listening_sockets(args.host, args.port, count)
     except BaseException:
         shutil.rmtree(metrics_dir, ignore_errors=True)
         raise
@@ -130,10 +131,11 @@ def serve_with_api_servers(args: argparse.Namespace) -> int:
     engine.launch()
     ready_pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
     apis = [ctx.Process(target=api_server_main, name=f"bridge-api-{i}", args=(i, args, link, sock, recv))
-            for i, (link, (recv, _)) in enumerate(zip(engine.links, ready_pipes))]
+            for i, (link, sock, (recv, _)) in enumerate(zip(engine.links, socks, ready_pipes))]
     for process in apis:
         process.start()
-    sock.close()
+    for sock in set(socks):  # the API processes hold their own now
+        sock.close()
     for link in engine.links:  # the API processes hold their own ends now
         link.requests.close()
         link.outcomes.close()
