@@ -37,6 +37,7 @@ from concurrent.futures import wait
 from typing import Any
 
 from bridge.serve.app import build_app
+from bridge.serve.engine_build import engine_device_type
 from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess
 from bridge.serve.ingest import close_pool, spawn_ingest_pool, warm_up
 from bridge.serve.listen_sockets import listening_sockets
@@ -69,7 +70,7 @@ def api_server_main(index: int, args: argparse.Namespace, link: EngineLink, sock
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop_early)
-    guessed = ingest_workers(args, _engine_device_type(args))
+    guessed = ingest_workers(args, engine_device_type(args))
     pool = spawn_ingest_pool(guessed) if guessed > 0 else None
     warming = warm_up(pool, guessed) if pool is not None else []
     info = None
@@ -98,16 +99,6 @@ def api_server_main(index: int, args: argparse.Namespace, link: EngineLink, sock
     if stopping.is_set():
         server.should_exit = True  # a signal came while the app was being built: start, then stop
     server.run(sockets=[sock])
-
-
-def _engine_device_type(args: argparse.Namespace) -> str:
-    """The device type the engine process will use (as `runner.LLM` picks it): for sizing the
-    ingest pool before the engine says."""
-    if args.device is not None:
-        return str(args.device).split(":")[0]
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _stopped_by(exitcode: int | None, stopping: bool) -> bool:

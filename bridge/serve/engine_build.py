@@ -92,3 +92,12 @@ def build_ready_llm(model: LoadedModel, args: argparse.Namespace) -> LLM:
         built = (compiles.count - before) if compiles is not None else 0
         logger.info("serving warm-up: %.2f s, %d Triton kernels built", seconds, built)
     return llm
+
+
+def engine_device_type(args: argparse.Namespace) -> str:
+    """The device type the engine will use, as `runner.LLM` picks it (`--device`, else CUDA if present)."""
+    if args.device is not None:
+        return str(args.device).split(":")[0]
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

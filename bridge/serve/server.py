@@ -20,7 +20,7 @@ import logging
 
 from bridge.serve.api_servers import serve_with_api_servers
 from bridge.serve.app import ServerState, build_app
-from bridge.serve.engine_build import build_ready_llm, resolve_model
+from bridge.serve.engine_build import build_ready_llm, engine_device_type, resolve_model
 from bridge.serve.engine_process import EngineProcess
 from bridge.serve.ingest import DEFAULT_INLINE_BYTES
 from bridge.serve.state_builder import server_state
@@ -34,11 +34,22 @@ def use_engine_process(args: argparse.Namespace) -> bool:
     """`--engine-process` as given; by default on when the engine will run on a CUDA device."""
     if args.engine_process is not None:
         return args.engine_process
-    if args.device is not None:
-        return str(args.device).startswith("cuda")
-    import torch
+    return engine_device_type(args) == "cuda"
 
-    return torch.cuda.is_available()
+
+def default_api_server_count(args: argparse.Namespace) -> int:
+    """Half the cores, up to 8, for a CUDA engine in its own process (its default), else 1.
+
+    Why several: a burst of large prompt-embeds bodies is parsed by the API processes, each in its own
+    interpreter; with one, 64 bodies of 1.4 MB reached the engine over 0.2 s and the batch started
+    late (W1 behind the server at 64 clients: 0.58 of offline throughput with one API process, 0.88
+    with eight, benchmarks/RESULTS.md). Half the cores leaves the rest to the engine process and to
+    whatever sends the requests."""
+    if not use_engine_process(args) or engine_device_type(args) != "cuda":
+        return 1
+    import os
+
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def load_server_state(args: argparse.Namespace) -> ServerState:
@@ -85,9 +96,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="run the engine in its own process, HTTP and parsing in this one (default: on "
                              "with a CUDA engine, off on the CPU)")
-    parser.add_argument("--api-server-count", type=int, default=1,
+    parser.add_argument("--api-server-count", type=int, default=None,
                         help="API processes sharing the port in front of the one engine process (vLLM's "
-                             "flag); above 1 the engine runs in its own process")
+                             "flag; default: half the cores, up to 8, with the engine in its own process, "
+                             "else 1); above 1 the engine runs in its own process")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch CPU threads in the server process (default: 1 with a GPU engine, "
                              "torch's default on the CPU)")
@@ -114,6 +126,8 @@ def serve(args: argparse.Namespace) -> int:
     """Load the engine and serve until a signal; 0 on a clean shutdown."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_server_count is None:
+        args.api_server_count = default_api_server_count(args)  # the API processes inherit the count
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.api_server_count > 1:

@@ -21,7 +21,7 @@ def ingest_workers(args: argparse.Namespace, device_type: str) -> int:
     """`--ingest-workers` as given, or the default for an engine on `device_type` (per API process)."""
     if args.ingest_workers is not None:
         return args.ingest_workers
-    return default_workers(device_type, api_processes=args.api_server_count)
+    return default_workers(device_type, api_processes=args.api_server_count or 1)
 
 
 def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str | None = None,
