@@ -31,12 +31,14 @@ MAX_DECODE_WINDOW = 32
 DEFAULT_DECODE_WINDOW = 32
 # Largest step a mixed-step CUDA graph covers by default (runner.worker.cuda_graphs): the token count
 # whose decoder matmuls reach MIXED_GRAPH_WORK_FLOP (2 x decoder parameters x tokens), rounded down to a
-# power of two within [512, 4096]. Why: an eager step costs roughly fixed host time (15-25 ms for 28
-# layers), so a graph pays while the step's GPU work is short beside it, and a bucket pads a step by up
-# to half, work a large model's long steps would pay for in GPU time. W1's model (0.44B decoder
-# parameters) gets 4096, a 7B model 512, as vLLM captures by default.
-MIXED_GRAPH_WORK_FLOP = 4e12
-MIXED_GRAPH_MAX_TOKENS_RANGE = (512, 4096)
+# power of two within [512, 16384]. Why: an eager step costs roughly fixed host time (15-25 ms for 28
+# layers), so a graph pays while the step's GPU work is not longer than that (1.6e13 FLOP is about
+# 20 ms at an H200's dense bf16 rate), even after a bucket pads the step by up to half. W1's model
+# (0.44B decoder parameters) gets 16384, a 7B model 1024. Measured: W1 behind `bridge serve` at 64
+# clients, whose arrival bursts make steps of 4-16k tokens, ran at 0.87 of offline with a cap of
+# 4096 and 0.89 with 16384 (256 clients: 0.87 and 0.90).
+MIXED_GRAPH_WORK_FLOP = 1.6e13
+MIXED_GRAPH_MAX_TOKENS_RANGE = (512, 16384)
 
 
 def auto_mixed_graph_max_tokens(decoder_params: int) -> int:

@@ -75,8 +75,8 @@ class LLM:
     `decode_window` is how many greedy decode steps run back to back between host syncs when
     every running request is a plain greedy decode (default 32 with CUDA graphs, 1 otherwise).
     `mixed_graph_max_tokens` is the largest prefill or mixed step (in tokens) replayed from a CUDA
-    graph instead of launched layer by layer (default from the model's size: 4096 for a 0.6B model,
-    512 for 7B and up; 0 runs them eagerly).
+    graph instead of launched layer by layer (default from the model's size: 16384 for a 0.6B model,
+    1024 for 7B, 512 for 70B; never above `max_num_batched_tokens`; 0 runs them eagerly).
     `async_scheduling` (default on, except with multimodal input) plans and launches step n+1
     while step n runs on the device. `fused_ops` / `fused_linear` / `fused_layers` choose Bridge's
     fused kernels (default: on on the GPU). Counters for tests and monitoring: `num_free_blocks`,

@@ -55,10 +55,11 @@ def test_token_buckets_pad_by_less_than_half():
 
 
 def test_default_cap_follows_the_decoder_size(model_dir):
-    assert auto_mixed_graph_max_tokens(440_000_000) == 4096  # W1's model: 0.44B decoder parameters
-    assert auto_mixed_graph_max_tokens(1_300_000_000) == 1024
-    assert auto_mixed_graph_max_tokens(6_500_000_000) == 512  # 7B and up: vLLM's default capture size
-    assert auto_mixed_graph_max_tokens(100_000) == 4096  # tiny models: the upper bound
+    assert auto_mixed_graph_max_tokens(440_000_000) == 16384  # W1's model: 0.44B decoder parameters
+    assert auto_mixed_graph_max_tokens(1_300_000_000) == 4096
+    assert auto_mixed_graph_max_tokens(6_500_000_000) == 1024  # 7B
+    assert auto_mixed_graph_max_tokens(70_000_000_000) == 512  # 70B: vLLM's default capture size
+    assert auto_mixed_graph_max_tokens(100_000) == 16384  # tiny models: the upper bound
     llm = LLM(model_dir, device="cpu", num_kv_blocks=16, max_num_batched_tokens=1000)
     assert llm.runner.mixed_graph_max_tokens == 1000  # never above the step budget
     assert LLM(model_dir, device="cpu", num_kv_blocks=16,

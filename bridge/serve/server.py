@@ -118,7 +118,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enforce-eager", action="store_true")
     engine.add_argument("--mixed-graph-max-tokens", type=int, default=None,
                         help="largest prefill/mixed step replayed from a CUDA graph (default: from the "
-                             "model's size, 512-4096; 0: eager)")
+                             "model's size, 512-16384; 0: eager)")
     engine.add_argument("--seed", type=int, default=0)
 
 
