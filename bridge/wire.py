@@ -9,8 +9,13 @@ be made on metadata is made before any bytes are materialised:
    entries that fit in the payload, and a pickle walked opcode by opcode, never executed, whose
    globals are a saved tensor's and whose declared storages match their records and the cap;
    a zip bomb or a pickle declaring a huge storage is refused here, before torch inflates it;
-3. `torch.load(weights_only=True)` (no arbitrary pickle globals, so no code runs) with sparse
-   invariant checks on (out-of-range sparse indices are refused, not dereferenced);
+3. the tensor: a plain dense tensor in a little-endian archive (what `torch.save` writes for one,
+   so what every client sends) is rebuilt from the walked pickle's own arguments (storage dtype,
+   offset, size, stride, all checked to stay inside the storage) over a copy of its record, with no
+   unpickler at all; anything else goes through `torch.load(weights_only=True)` (no arbitrary
+   pickle globals, so no code runs) with sparse invariant checks on (out-of-range sparse indices
+   are refused, not dereferenced). The direct read is about 0.7 ms of a W1 payload's 1.4 ms
+   decode: torch.load re-reads the archive and runs its unpickler in Python;
 4. type, layout (no nested tensors), dtype, rank, declared dense byte size, rows and hidden
    size, from the tensor's shape and dtype: a sparse tensor (or a dense one with zero strides)
    declaring a huge dense size is refused before `.to_dense()` / `.contiguous()` could allocate it;
@@ -36,7 +41,7 @@ import math
 import pybase64
 import torch
 
-from bridge.wire_archive import inspect_torch_archive, shown, shown_message
+from bridge.wire_archive import inspect_torch_archive, read_dense_record, shown, shown_message
 
 DEFAULT_MAX_PROMPT_EMBEDS_BYTES = 256 * 2**20
 """Default cap on a prompt-embeds tensor's dense size (and, plus a small slack, on its payload)."""
@@ -116,8 +121,8 @@ def load_prompt_embeds(
     if dtype is not None and dtype not in _ACCEPTED_DTYPES:
         raise ValueError(f"dtype must be one of {_ACCEPTED_DTYPES}, got {dtype}")
     raw = _decode_base64(data, max_bytes + _PAYLOAD_SLACK_BYTES)
-    inspect_torch_archive(raw, max_bytes)
-    tensor = _torch_load_safely(raw)
+    dense = inspect_torch_archive(raw, max_bytes)
+    tensor = read_dense_record(dense) if dense is not None else _torch_load_safely(raw)
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"prompt_embeds must hold a single tensor, got {shown(type(tensor).__name__)}")
     if tensor.is_nested:

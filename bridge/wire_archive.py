@@ -16,8 +16,12 @@ is checked here first, from its metadata alone, without inflating or executing a
 from __future__ import annotations
 
 import io
+import math
 import pickletools
+import struct
+import sys
 import zipfile
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +34,10 @@ _STORAGE_ITEMSIZE: dict[str, int] = {
     name: dtype.itemsize for dtype, name in torch.storage._dtype_to_storage_type_map().items()
 }
 _STORAGE_ITEMSIZE["UntypedStorage"] = 1  # torch.save's storage type for dtypes without a legacy class
+_STORAGE_DTYPE: dict[str, torch.dtype] = {  # the prompt-embeds dtypes read without torch.load
+    name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+    if dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+}
 _ALLOWED_GLOBALS = {
     ("collections", "OrderedDict"),
     ("torch.serialization", "_get_layout"),
@@ -64,9 +72,12 @@ class _Storage(tuple):
     """A storage reference the pickle declares: (type name, key, numel)."""
 
 
-def inspect_torch_archive(raw: bytes, max_bytes: int) -> None:
+def inspect_torch_archive(raw: bytes, max_bytes: int) -> DenseRecord | None:
     """Raise ValueError unless `raw` is a plain torch.save archive of one tensor whose storages
-    together declare at most `max_bytes` and whose entries cannot inflate past the payload."""
+    together declare at most `max_bytes` and whose entries cannot inflate past the payload.
+
+    Returns the tensor's `DenseRecord` when the pickle is exactly torch.save's dense-tensor call in
+    a little-endian archive (what every client sends), else None (torch.load then reads it)."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(raw))
         infos = archive.infolist()
@@ -78,7 +89,7 @@ def inspect_torch_archive(raw: bytes, max_bytes: int) -> None:
         pickle_bytes = archive.read(pickle_info)
     except Exception as err:  # noqa: BLE001  a damaged local header or CRC
         raise ValueError(f"prompt_embeds archive is damaged: {shown(str(err))}") from None
-    storages = _walk_pickle(pickle_bytes)
+    storages, call = _walk_pickle(pickle_bytes)
     total = 0
     for type_name, key, numel in storages:
         record = records.get(f"{prefix}/data/{key}")
@@ -93,6 +104,72 @@ def inspect_torch_archive(raw: bytes, max_bytes: int) -> None:
         total += declared
     if total > max_bytes:
         raise ValueError(f"prompt_embeds storages declare {total} bytes, over the cap of {max_bytes} bytes")
+    return _dense_record(raw, archive, records, prefix, call)
+
+
+@dataclass(frozen=True)
+class DenseRecord:
+    """Where a dense tensor's bytes are in a checked payload and how they are laid out: everything
+    `torch._utils._rebuild_tensor_v2` would be called with, read from the walked opcodes."""
+
+    raw: bytes
+    record: zipfile.ZipInfo
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _dense_record(raw: bytes, archive: zipfile.ZipFile, records: dict[str, zipfile.ZipInfo], prefix: str,
+                  call: tuple) -> DenseRecord | None:
+    """The record of torch.save's dense-tensor pickle, `_rebuild_tensor_v2(storage, offset, size,
+    stride, requires_grad, OrderedDict())`, with every element inside the storage; None for anything
+    else (a parameter, a sparse tensor, metadata, a big-endian archive), which torch.load reads."""
+    _, func, args = call
+    if func != ("torch._utils", "_rebuild_tensor_v2") or len(args) != 6:
+        return None
+    storage, offset, size, stride, _requires_grad, hooks = args
+    if hooks != ("call", ("collections", "OrderedDict"), ()) or not isinstance(storage, _Storage):
+        return None
+    dtype = _STORAGE_DTYPE.get(storage[0])
+    byteorder = records.get(f"{prefix}/byteorder")
+    if dtype is None or sys.byteorder != "little" or byteorder is None or byteorder.file_size != 6:
+        return None
+    if archive.read(byteorder) != b"little":
+        return None
+    if not (_is_count(offset) and isinstance(size, tuple) and isinstance(stride, tuple)
+            and len(size) == len(stride) and all(map(_is_count, size + stride))):
+        return None
+    numel = storage[2]
+    if math.prod(size) and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= numel:
+        raise ValueError(f"prompt_embeds tensor of shape {shown(size)} and strides {shown(stride)} reaches "
+                         f"past its storage of {numel} elements")
+    return DenseRecord(raw, records[f"{prefix}/data/{storage[1]}"], dtype, offset, size, stride)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile's structFileHeader: name and extra lengths last
+
+
+def read_dense_record(dense: DenseRecord) -> torch.Tensor:
+    """The tensor a `DenseRecord` describes, in memory of its own (its record's bytes copied out of
+    the payload); no unpickling. The record is found through its local zip header, as zipfile
+    does, but not CRC-checked: torch.load does not check it either, and zlib's crc32 alone took
+    0.5 ms of a W1 payload."""
+    raw, info = dense.raw, dense.record
+    header = raw[info.header_offset:info.header_offset + _LOCAL_HEADER.size]
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise ValueError("prompt_embeds archive is damaged: a record's local header is missing")
+    name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
+    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if start + info.file_size > len(raw):
+        raise ValueError("prompt_embeds archive is damaged: a record runs past the payload")
+    data = bytearray(memoryview(raw)[start:start + info.file_size])
+    storage = torch.frombuffer(data, dtype=dense.dtype) if data else torch.empty(0, dtype=dense.dtype)
+    return storage.as_strided(dense.size, dense.stride, dense.offset)
 
 
 def _check_entries(infos: list[zipfile.ZipInfo], payload_bytes: int) -> dict[str, zipfile.ZipInfo]:
@@ -139,7 +216,7 @@ def _find_pickle(records: dict[str, zipfile.ZipInfo]) -> tuple[str, zipfile.ZipI
     return prefix, info
 
 
-def _walk_pickle(data: bytes) -> list[_Storage]:
+def _walk_pickle(data: bytes) -> tuple[list[_Storage], tuple]:
     """The storages a tensor pickle declares, found by walking its opcodes (nothing is executed).
 
     A small stack machine follows the opcodes torch.save emits for a tensor (literals, tuples,
@@ -199,7 +276,7 @@ def _walk_pickle(data: bytes) -> list[_Storage]:
                 args, func = stack.pop(), stack.pop()
                 if not isinstance(func, _Global) or not isinstance(args, tuple):
                     raise ValueError("prompt_embeds pickle calls something that is not an allowed global")
-                stack.append(("call", func))
+                stack.append(("call", func, args))
             elif name in _CONTAINER_OPS:
                 raise ValueError("prompt_embeds must hold a single tensor; the payload pickles a container")
             else:
@@ -213,7 +290,7 @@ def _walk_pickle(data: bytes) -> list[_Storage]:
         raise ValueError(f"prompt_embeds pickle is malformed: {type(err).__name__}") from None
     if len(stack) != 1 or not (isinstance(stack[0], tuple) and stack[0][:1] == ("call",)):
         raise ValueError("prompt_embeds pickle does not rebuild one tensor")
-    return storages
+    return storages, stack[0]
 
 
 def shown_message(message: str) -> str:
