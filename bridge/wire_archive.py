@@ -169,7 +169,10 @@ def read_dense_record(dense: DenseRecord) -> torch.Tensor:
         raise ValueError("prompt_embeds archive is damaged: a record runs past the payload")
     data = bytearray(memoryview(raw)[start:start + info.file_size])
     storage = torch.frombuffer(data, dtype=dense.dtype) if data else torch.empty(0, dtype=dense.dtype)
-    return storage.as_strided(dense.size, dense.stride, dense.offset)
+    try:
+        return storage.as_strided(dense.size, dense.stride, dense.offset)
+    except (RuntimeError, TypeError, OverflowError):  # a shape whose element count overflows int64
+        raise ValueError(f"prompt_embeds declares an impossible shape {shown(dense.size)}") from None
 
 
 def _check_entries(infos: list[zipfile.ZipInfo], payload_bytes: int) -> dict[str, zipfile.ZipInfo]:

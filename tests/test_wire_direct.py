@@ -80,8 +80,24 @@ def test_a_shape_reaching_past_the_storage_is_refused(torch_load_calls):
     name = next(n for n in entries if n.endswith("data.pkl"))
     shape = b"K\x04K" + bytes([HIDDEN]) + b"\x86"
     assert entries[name].count(shape) == 1
-    entries[name] = entries[name].replace(shape, b"K\x09K" + bytes([HIDDEN]) + b"\x86")  # 9 rows, storage of 4
+    entries[name] = entries[name].replace(shape, b"K\x09K" + bytes([HIDDEN]) + b"\x86")  # 9 rows over 4
     with pytest.raises(ValueError, match="reaches past its storage"):
+        load_prompt_embeds(b64(zip_entries(entries)), hidden_size=HIDDEN)
+    assert torch_load_calls == []
+
+
+@pytest.mark.parametrize("rows", [2**40, 2**62, 2**70])
+def test_a_huge_zero_stride_shape_is_refused_without_allocating(rows, torch_load_calls):
+    """A zero-stride view declares any number of rows over a tiny storage: refused as a ValueError (the
+    cap on the declared dense size, or a count that overflows), never a crash or an allocation."""
+    entries = saved_entries(torch.zeros(4, HIDDEN))
+    name = next(n for n in entries if n.endswith("data.pkl"))
+    shape, stride = b"K\x04K" + bytes([HIDDEN]) + b"\x86", b"K" + bytes([HIDDEN]) + b"K\x01\x86"
+    assert entries[name].count(shape) == 1 and entries[name].count(stride) == 1
+    big = rows.to_bytes((rows.bit_length() + 8) // 8, "little")
+    pkl = entries[name].replace(shape, b"\x8a" + bytes([len(big)]) + big + b"K" + bytes([HIDDEN]) + b"\x86")
+    entries[name] = pkl.replace(stride, b"K\x00K\x00\x86")
+    with pytest.raises(ValueError, match="over the cap|impossible shape"):
         load_prompt_embeds(b64(zip_entries(entries)), hidden_size=HIDDEN)
     assert torch_load_calls == []
 
