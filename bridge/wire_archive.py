@@ -135,7 +135,11 @@ def _dense_record(raw: bytes, archive: zipfile.ZipFile, records: dict[str, zipfi
     byteorder = records.get(f"{prefix}/byteorder")
     if dtype is None or sys.byteorder != "little" or byteorder is None or byteorder.file_size != 6:
         return None
-    if archive.read(byteorder) != b"little":
+    try:
+        little = archive.read(byteorder) == b"little"
+    except Exception as err:  # noqa: BLE001  a damaged local header or CRC
+        raise ValueError(f"prompt_embeds archive is damaged: {shown(str(err))}") from None
+    if not little:
         return None
     if not (_is_count(offset) and isinstance(size, tuple) and isinstance(stride, tuple)
             and len(size) == len(stride) and all(map(_is_count, size + stride))):
