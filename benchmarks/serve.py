@@ -175,35 +175,61 @@ async def _client_loop(url: str, bodies: list[bytes], clients: int, start_at: fl
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        began = time.monotonic()  # start_at, or later if this process got its share late
         await asyncio.gather(*(worker(http) for _ in range(clients)))
         ended = time.monotonic()
-    return {"ttft": ttft, "itl": itl, "tokens": sum(tokens), "ended": ended, "times": times}
+    return {"ttft": ttft, "itl": itl, "tokens": sum(tokens), "began": began, "ended": ended, "times": times}
+
+
+_START_BARRIER = None  # set in each client process by the pool's initializer
+
+
+def _keep_barrier(barrier) -> None:
+    global _START_BARRIER
+    _START_BARRIER = barrier
 
 
 def client_process(url: str, bodies: list[bytes], clients: int, start_at: float) -> dict:
+    """One client process's share of a run. With a pool, every share first waits at the pool's barrier:
+    a worker that took one share cannot take a second one while another worker idles. Without it, a
+    fresh pool's first run sometimes gave one worker two shares, and that worker's second share of
+    clients started when its first had finished (their sends spread over 0.5 s, the run measured at
+    0.52-0.57 of offline)."""
+    if _START_BARRIER is not None:
+        _START_BARRIER.wait(timeout=120)
+    if not bodies:
+        return {"ttft": [], "itl": [], "tokens": 0, "began": None, "ended": None, "times": []}
     return asyncio.run(_client_loop(url, bodies, clients, start_at))
 
 
 def run_clients(url: str, bodies: list[bytes], clients: int, pool=None, procs: int = 1) -> dict:
     """N = `clients` concurrent streams over `procs` client processes (N real clients do not share one
     interpreter: one process sending 64 x 1.9 MB and parsing 64 SSE streams is itself a bottleneck).
-    The processes start together at a common clock time; wall time runs from it to the last [DONE]."""
-    procs = max(1, min(procs, clients))
-    shares = [bodies[k::procs] for k in range(procs)]
-    counts = [clients // procs + (k < clients % procs) for k in range(procs)]
+    The processes start together at a common clock time (or together when the last of them got its
+    share, if later); wall time runs from then to the last [DONE]."""
+    active = max(1, min(procs, clients))
+    shares = [bodies[k::active] for k in range(active)]
+    counts = [clients // active + (k < clients % active) for k in range(active)]
+    if pool is not None:  # one task per pool process (`procs`), for the barrier: the rest idle
+        shares += [[]] * (procs - active)
+        counts += [0] * (procs - active)
     start_at = time.monotonic() + (0.5 + len(bodies) * 0.02 if pool is not None else 0.0)
     if pool is None:
         parts = [client_process(url, bodies, clients, start_at)]
     else:
+        # every share is submitted, empty ones too: the barrier waits for one share per process
         futures = [pool.submit(client_process, url, share, count, start_at)
-                   for share, count in zip(shares, counts) if share]
+                   for share, count in zip(shares, counts)]
         parts = [f.result() for f in futures]
+    parts = [p for p in parts if p["began"] is not None]
+    # from the first send: start_at, unless the barrier released every process after it
+    start_at = min(p["began"] for p in parts)
     dt = max(p["ended"] for p in parts) - start_at
     ttft = [t for p in parts for t in p["ttft"]]
     itl = [t for p in parts for t in p["itl"]]
     n = sum(p["tokens"] for p in parts)
     times = sorted(t for p in parts for t in p["times"])
-    return {"tok_s": n / dt, "seconds": dt, "output_tokens": n, "client_processes": len(parts),
+    return {"tok_s": n / dt, "seconds": dt, "output_tokens": n, "client_processes": active,
             "start_at": start_at, "requests_sent_first_last": times,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
@@ -228,7 +254,9 @@ def serve_variant(args, server_args: str, model_dir: pathlib.Path, settings: dic
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
+            ctx = multiprocessing.get_context("spawn")
+            pool = ProcessPoolExecutor(procs, mp_context=ctx, initializer=_keep_barrier,
+                                       initargs=(ctx.Barrier(procs),))
         run_clients(url, bodies[:procs * 2], procs * 2, pool, procs)  # warm-up (and the pool's start)
         for c in clients:
             n = max(c, 32 if args.cpu else 64)
