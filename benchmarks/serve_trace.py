@@ -6,7 +6,8 @@ token times). Both use the host's monotonic clock, so the ticks line up with the
 served run loses time against offline: before the first admission (HTTP and parsing), admission
 ticks, slow steps (a step that built a kernel shows as one long tick), the decode windows. For each
 tick that admitted requests: when the first and last of them arrived at the API process, were parsed
-and submitted, and reached the engine process (newer traces only).
+and submitted, and reached the engine process, and how many came from each API process (newer
+traces only).
 
     python3 benchmarks/serve_trace.py /tmp/ticks.jsonl /tmp/serve.json [--clients 64]
 """
@@ -47,6 +48,9 @@ def main() -> int:
                     spans = "".join(f"  {name} {t[key][0] - t0:.3f}-{t[key][1] - t0:.3f}"
                                     for key, name in (("arrived_at", "arrived"), ("submitted_at", "parsed"),
                                                       ("received_at", "at engine")) if key in t)
+                    if t.get("owners"):  # submissions per API process (newer traces)
+                        counts = {o: t["owners"].count(o) for o in sorted(set(t["owners"]))}
+                        spans += "  from API " + " ".join(f"{o}:{n}" for o, n in counts.items())
                     print(f"  t={t['t'] - t0:6.3f} s  admitted {t['prompts']:3d} "
                           f"in {t['admit_s'] * 1e3:5.1f} ms (arriving {t['arriving']:3d})  "
                           f"window {t['window']:2d}  "

@@ -181,7 +181,7 @@ class EngineTicker:
                 "prompts": sum(len(sub.ids) for sub in subs), "arriving": int(arriving),
                 "window": self.core.decode_window, "running": len(s.running), "waiting": len(s.waiting),
                 "deltas": len(deltas), "finished": sum(d.finished for d in deltas),
-                **_spans(subs),
+                **_spans(subs), "owners": [getattr(sub, "owner", 0) for sub in subs],
                 "builds": compiles.count if compiles is not None else 0}) + "\n")
         return TickOutcome(added, deltas, self.snapshot(), error, items, hits, aborted_ids,
                            admitted if subs else None, step_s)

@@ -85,9 +85,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish on SIGTERM before they are aborted")
     parser.add_argument("--ingest-workers", type=int, default=None,
-                        help="processes that parse large JSON bodies and decode prompt_embeds payloads "
-                             "off the engine's process (default: half the cores up to 8 with a GPU, 0 on the "
-                             "CPU)")
+                        help="processes per API process that parse large JSON bodies and decode "
+                             "prompt_embeds payloads (default: half the cores up to 8 with a GPU and one API "
+                             "process; 0, parsing in the event loop, with several or on the CPU)")
     parser.add_argument("--ingest-inline-bytes", type=int, default=DEFAULT_INLINE_BYTES,
                         help="bodies up to this size are parsed in the server process (default 256 KiB)")
     parser.add_argument("--arrival-decode-window", type=int, default=None,
