@@ -33,14 +33,13 @@ def reuse_port_balances() -> bool:
 
 
 def _bound(host: str, port: int, *, reuse_port: bool, listen: bool = True) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
+    # the address family as uvicorn picks it for the single-process server: IPv6 only for an IPv6 host
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
+        sock.bind((host, port))
         if listen:
             sock.listen(BACKLOG)
     except BaseException:
