@@ -64,12 +64,10 @@ def child(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from generate import add_side_arguments
+
     ap.add_argument("--sides", default="0,512,4096")
-    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU (a smoke run; no graphs)")
-    ap.add_argument("--model-dir", default=None)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mixed", type=int, default=None, help=argparse.SUPPRESS)
+    add_side_arguments(ap)
     args = ap.parse_args()
     if args.child:
         return child(args)

@@ -172,6 +172,16 @@ def write_results(results: dict, out: str | None, default_name: str) -> None:
         print(f"wrote {out}")
 
 
+def add_side_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags of an A/B benchmark whose sides run in child processes of the same script
+    (`child_result`): the model, the output, and the hidden child flags, one side's graph cap."""
+    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU (a smoke run; no graphs)")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mixed", type=int, default=None, help=argparse.SUPPRESS)
+
+
 def child_result(cmd: list[str], what: str, env: dict | None = None) -> dict:
     """Run one side of an A/B benchmark in its own process (`cmd`) and return the JSON it printed on its
     last `RESULT ` line; a side that fails or prints none ends the benchmark with its output."""

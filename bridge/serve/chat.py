@@ -180,9 +180,8 @@ class ChatRenderer:
             payload = part.prompt_embeds if part.type == "prompt_embeds" else part.image_embeds
             if payload is None:
                 raise ApiError(400, f"{where}: a {part.type} part needs its '{part.type}' field", param=where)
-            tensor = await decode_embeds(payload, where=where, hidden_size=self.hidden_size,
-                                         max_model_len=self.max_model_len, limits=self.limits,
-                                         metrics=self.metrics)
+            tensor = decode_embeds(payload, where=where, hidden_size=self.hidden_size,
+                                   max_model_len=self.max_model_len, limits=self.limits, metrics=self.metrics)
             token = self._placeholder(PROMPT_EMBEDS_MODALITY, where)
             media.setdefault(PROMPT_EMBEDS_MODALITY, []).append(tensor)
             return token

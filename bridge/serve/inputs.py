@@ -78,7 +78,7 @@ def samples_params(body: CompletionRequest | ChatCompletionRequest, *, max_token
     return [sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, seed=s) for s in seeds]
 
 
-async def decode_embeds(payload: str, *, where: str, hidden_size: int, max_model_len: int,
+def decode_embeds(payload: str, *, where: str, hidden_size: int, max_model_len: int,
                         limits: ServeLimits, metrics: ServeMetrics) -> torch.Tensor:
     """One base64 `torch.save` payload -> a `(n, hidden)` CPU tensor, or a 400 naming `where`."""
     if not limits.enable_prompt_embeds:
@@ -133,8 +133,8 @@ async def completion_prompts(body: CompletionRequest, *, hidden_size: int, max_m
             if decoded is not None:
                 prompts.append({"prompt_embeds": predecoded_embeds(decoded[i], where=where, metrics=metrics)})
                 continue
-            tensor = await decode_embeds(payload, where=where, hidden_size=hidden_size,
-                                         max_model_len=max_model_len, limits=limits, metrics=metrics)
+            tensor = decode_embeds(payload, where=where, hidden_size=hidden_size,
+                                   max_model_len=max_model_len, limits=limits, metrics=metrics)
             prompts.append({"prompt_embeds": tensor})
     prompt = body.prompt
     if embeds is not None and prompt == "":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from bridge.serve.api_servers import serve_with_api_servers
 from bridge.serve.app import ServerState, build_app
@@ -47,8 +48,6 @@ def default_api_server_count(args: argparse.Namespace) -> int:
     whatever sends the requests."""
     if not use_engine_process(args) or engine_device_type(args) != "cuda":
         return 1
-    import os
-
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
