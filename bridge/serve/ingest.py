@@ -141,12 +141,22 @@ def warm_up(pool: ProcessPoolExecutor, workers: int) -> list[Future]:
 def close_pool(pool: ProcessPoolExecutor) -> None:
     """Shut `pool` down without waiting, and end its workers. A worker still starting (importing torch)
     when the server stops never read its stop sentinel: the process's exit then waited on it forever
-    (seen with a SIGTERM just after start-up). The workers hold nothing worth finishing."""
+    (seen with a SIGTERM just after start-up). The workers hold nothing worth finishing.
+
+    The pool's manager thread is then joined: it closes the pool's wake-up pipe on its way out, and
+    Python 3.11's exit hook writes to that pipe without the pool's lock, so an exit racing the manager
+    thread died with EBADF (exit status 1 for a clean stop)."""
     workers = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for worker in workers:
         if worker.is_alive():
             worker.terminate()
+    if manager is not None:
+        manager.join(timeout=_MANAGER_JOIN_SECONDS)
+
+
+_MANAGER_JOIN_SECONDS = 10.0  # the workers are terminated: the manager thread ends in milliseconds
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from wire_crafting import b64, pickle_archive
 
-from bridge.serve.ingest import PLACEHOLDER, BodyParser, EmbedsSpec
+from bridge.serve.ingest import PLACEHOLDER, BodyParser, EmbedsSpec, close_pool, spawn_ingest_pool, warm_up
 from bridge.serve.metrics import ServeMetrics
 from bridge.wire import encode_prompt_embeds, load_prompt_embeds
 
@@ -130,3 +130,19 @@ def test_small_bodies_stay_inline_and_a_dead_worker_is_replaced(pool_parser):
     again = parse(pool_parser, body)
     assert again.embeds is not None and again.embeds[0].tensor.shape == (2, HIDDEN)
     assert metrics.bodies_parsed.labels("pool")._value.get() >= 2
+
+
+@pytest.mark.parametrize("started", [True, False], ids=["workers-up", "workers-starting"])
+def test_close_pool_ends_the_manager_thread_before_returning(started):
+    """close_pool returns with the pool's manager thread ended, its wake-up pipe closed: Python's exit
+    hook writes to that pipe without the pool's lock, and a process exiting while the thread was still
+    closing it died with EBADF (a clean SIGTERM of the server exited 1)."""
+    pool = spawn_ingest_pool(1)
+    futures = warm_up(pool, 1)
+    if started:
+        assert futures[0].result(timeout=120) > 0
+    manager, workers = pool._executor_manager_thread, list(pool._processes.values())
+    assert manager is not None and manager.is_alive() and workers
+    close_pool(pool)
+    assert not manager.is_alive()
+    assert not any(worker.is_alive() for worker in workers)
