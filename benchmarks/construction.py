@@ -9,9 +9,13 @@ kernels built during the graph captures with their seconds.
 
 One command, GPU (about two minutes on an H200):
 
-    python benchmarks/construction.py [--sides 0,512,4096] [--out results.json]
+    python benchmarks/construction.py [--sides 0,512,4096] [--warm-too] [--out results.json]
 
-`--sides`: values of `mixed_graph_max_tokens` (0: prefill and mixed steps eager).
+`--sides`: values of `mixed_graph_max_tokens` (0: prefill and mixed steps eager), each optionally
+`CAP:THREADS`, where THREADS sets `BRIDGE_KERNEL_BUILD_THREADS` for that side (start-up kernels
+built side by side on that many threads, `runner.layers.triton_launch`; 0: one by one), e.g.
+`--sides 16384:0,16384:8`. `--warm-too`: each side constructs a second time in a new process on the
+cache its cold run filled (a restart on the same machine), reported as `<side> warm`.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def main() -> int:
     from generate import add_side_arguments
 
     ap.add_argument("--sides", default="0,512,4096")
+    ap.add_argument("--warm-too", action="store_true", help="a second, warm-cache construction per side")
     add_side_arguments(ap)
     args = ap.parse_args()
     if args.child:
@@ -77,19 +82,28 @@ def main() -> int:
         args.model_dir = str(bench_setup(args)[1])
     results = {}
     for side in args.sides.split(","):
+        cap, _, threads = side.partition(":")
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
-            cmd = [sys.executable, __file__, "--child", "--mixed", side, "--model-dir", args.model_dir]
+            if threads:
+                env["BRIDGE_KERNEL_BUILD_THREADS"] = threads
+            cmd = [sys.executable, __file__, "--child", "--mixed", cap, "--model-dir", args.model_dir]
             cmd += ["--cpu"] if args.cpu else []
-            res = results[side] = child_result(cmd, f"the side mixed_graph_max_tokens={side}", env)
-        phases = ", ".join(f"{k} {v['seconds']:.2f} s ({v['builds']} builds)"
-                           for k, v in res["phases"].items())
-        print(f"mixed_graph_max_tokens={side}: constructed in {res['construct_s']:.2f} s; {phases}")
-        print(f"  buckets {res['mixed_sizes']}; {len(res['builds'])} Triton builds in all:")
-        for line in res["builds"]:
-            print(f"    {line}")
+            runs = [side, f"{side} warm"] if args.warm_too else [side]
+            for name in runs:  # the warm run reuses the cache directory the cold one filled
+                res = results[name] = child_result(cmd, f"the side {name}", env)
+                _report(name, res)
     write_results(results, args.out, "construction.json")
     return 0
+
+
+def _report(name: str, res: dict) -> None:
+    phases = ", ".join(f"{k} {v['seconds']:.2f} s ({v['builds']} builds)" for k, v in res["phases"].items())
+    print(f"side {name} (mixed_graph_max_tokens[:build threads]): constructed in {res['construct_s']:.2f} s; "
+          f"{phases}")
+    print(f"  buckets {res['mixed_sizes']}; {len(res['builds'])} Triton builds in all:")
+    for line in res["builds"]:
+        print(f"    {line}")
 
 
 if __name__ == "__main__":

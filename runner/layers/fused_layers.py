@@ -48,6 +48,7 @@ from runner.layers.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
 from runner.layers.hf_attention import get_attention_backend
 from runner.layers.norm_gemm import head_rmsnorm, norm_gate_up_silu, norm_gemm_supported, norm_qkv_rope_write
 from runner.layers.paged_attention import paged_attention
+from runner.layers.triton_launch import launch
 
 FUSABLE_LAYER_CLASSES = frozenset(
     {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
@@ -168,7 +169,7 @@ def qkv_norm_rope_write(
     if t == 0:
         return q_out
     qw, kw, eps = q_norm if q_norm is not None else (qkv, qkv, 0.0)  # unused pointers without a norm
-    _qkv_norm_rope_write_kernel[(t,)](
+    launch(_qkv_norm_rope_write_kernel, (t,))(
         qkv, q_out, cos, sin, qw, kw, slot_mapping, key_cache, value_cache,
         qkv.stride(0), q_out.stride(0), cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from runner.layers.triton_launch import launch
+
 # MLPs whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)).
 FUSABLE_MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"})
 # Attention modules whose forward calls q_proj, k_proj, v_proj on the same `hidden_states`.
@@ -73,7 +75,7 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if n_rows == 0 or n_inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(n_inter))
-    _silu_mul_kernel[(n_rows, triton.cdiv(n_inter, block))](
+    launch(_silu_mul_kernel, (n_rows, triton.cdiv(n_inter, block)))(
         x2, out, n_inter, x2.stride(0), n_inter, BLOCK=block, num_warps=4
     )
     return out

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from runner.layers.attention_metadata import current_forward_context
+from runner.layers.triton_launch import launch
 
 # Norm classes whose forward is exactly: x32 = x.float(); x32 * rsqrt(mean(x32^2) + eps);
 # cast back to x.dtype; multiply by `weight`. (Gemma-style `1 + weight` norms are not listed.)
@@ -68,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n_rows = x3.shape[0] * n_inner
     block_n = triton.next_power_of_2(n_cols)
     block_r = max(1, min(64, 4096 // block_n))
-    _rmsnorm_kernel[(triton.cdiv(n_rows, block_r),)](
+    launch(_rmsnorm_kernel, (triton.cdiv(n_rows, block_r),))(
         x3, weight, out, n_rows, n_cols, n_inner, x3.stride(0), x3.stride(1), eps,
         BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4,
     )
@@ -149,7 +150,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     n_q, n_k, t, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     if t == 0:
         return qo, ko
-    _rope_kernel[(t,)](
+    launch(_rope_kernel, (t,))(
         q, k, qo, ko, cos, sin, n_q, n_k,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), qo.stride(1), qo.stride(2),
         ko.stride(1), ko.stride(2), cos.stride(1), sin.stride(1),

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from runner.layers.overlay_kernel import OverlayConfig, batch_block, default_config
+from runner.layers.triton_launch import launch
 
 
 @triton.jit(do_not_specialize=["num_reqs", "max_num_reqs"])
@@ -112,7 +113,7 @@ def launch_item_gather(
         return
     cfg = config or default_config(hidden, inputs_embeds.element_size())
     grid = (num_tokens // cfg.block_t + num_reqs,)
-    _item_gather_kernel[grid](
+    launch(_item_gather_kernel, grid)(
         inputs_embeds,
         inputs_embeds.stride(0),
         idx_mapping,

@@ -31,6 +31,7 @@ import triton.language as tl
 # Importing the paged-attention kernels applies their interpreter fix (runtime loop bounds under
 # TRITON_INTERPRET=1 with NumPy >= 2.4), which these kernels need as well.
 from runner.layers import paged_attention_triton  # noqa: F401
+from runner.layers.triton_launch import launch
 
 GROUPED_MOE_CLASSES = frozenset({"Qwen3MoeExperts", "MixtralExperts", "OlmoeExperts"})
 # The grouped path runs on CUDA tensors only, unless a test turns this on (under TRITON_INTERPRET=1).
@@ -173,13 +174,13 @@ def grouped_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     weights = top_k_weights.reshape(-1).to(hidden.dtype).contiguous()
     is_fp32 = hidden.dtype == torch.float32
     block_n, block_k = (64, 64) if hidden.is_cuda else (16, 16)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter_dim, block_n))](
+    launch(_gate_up_kernel, (num_blocks, triton.cdiv(inter_dim, block_n)))(
         x, w1, sorted_pairs, block_expert, inter, num_pairs, hidden_dim, inter_dim,
         x.stride(0), w1.stride(0), w1.stride(1), inter.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IS_FP32=is_fp32,
         num_warps=4, num_stages=3 if hidden.is_cuda else 1,
     )  # fmt: skip
-    _down_kernel[(num_blocks, triton.cdiv(hidden_dim, block_n))](
+    launch(_down_kernel, (num_blocks, triton.cdiv(hidden_dim, block_n)))(
         inter, w2, sorted_pairs, block_expert, weights, pair_out, num_pairs, hidden_dim, inter_dim,
         inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IS_FP32=is_fp32,

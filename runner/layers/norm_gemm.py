@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.layers.triton_launch import launch
+
 # Activation dtypes the fused kernels take (fp32 would run the GEMM in tf32; callers fall back).
 NORM_GEMM_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -362,7 +364,7 @@ def _launch(kernel, grid: tuple[int, int], args: tuple, fixed: dict, cfg: NormGe
         _WARMED.add(warm_key)
         for other in {c for _, c in table} - {cfg}:
             kernel.warmup(*args, grid=(1,), **fixed, **_meta(other, k, n))
-    kernel[grid](*args, **fixed, **_meta(cfg, k, n))
+    launch(kernel, grid)(*args, **fixed, **_meta(cfg, k, n))
 
 
 def _check_matrix(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:

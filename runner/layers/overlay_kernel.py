@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.layers.triton_launch import launch
+
 
 @triton.jit
 def batch_block(pid, query_start_loc_ptr, idx_mapping_ptr, num_reqs, BLOCK_T: tl.constexpr):
@@ -140,7 +142,7 @@ def launch_overlay(
         return
     cfg = config or default_config(hidden, inputs_embeds.element_size())
     grid = (num_tokens // cfg.block_t + num_reqs,)
-    _overlay_kernel[grid](
+    launch(_overlay_kernel, grid)(
         inputs_embeds,
         inputs_embeds.stride(0),
         idx_mapping,

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from runner.layers.attention_metadata import AttentionMetadata
+from runner.layers.triton_launch import launch
 
 LOG2E = 1.4426950408889634
 
@@ -150,7 +151,7 @@ def write_kv_triton(
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    _write_kv_kernel[(num_tokens,)](
+    launch(_write_kv_kernel, (num_tokens,))(
         key,
         value,
         key_cache,
@@ -748,7 +749,7 @@ def paged_attention_triton(
             part_lse = torch.empty((num_reqs, num_q_heads, splits), dtype=torch.float32, device=query.device)
         else:
             part_out = part_lse = out  # unused
-        _decode_kernel[(num_kv_heads, num_reqs, splits)](
+        launch(_decode_kernel, (num_kv_heads, num_reqs, splits))(
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             out, part_out, part_lse, qk_scale, window, softcap_l2, head_dim, *common_strides, num_q_heads,
             group, splits, SPLIT=splits > 1, BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_G=block_g,
@@ -756,7 +757,7 @@ def paged_attention_triton(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
-            _decode_reduce_kernel[(num_reqs, num_q_heads)](
+            launch(_decode_reduce_kernel, (num_reqs, num_q_heads))(
                 part_out, part_lse, meta.query_start_loc, out, *out.stride(), num_q_heads, head_dim,
                 splits, SPLITS_PAD=triton.next_power_of_2(max(splits, cfg.max_splits)), HEAD_DIM=d_pad,
                 num_warps=1 if head_dim <= 64 else 2,
@@ -768,7 +769,7 @@ def paged_attention_triton(
         block_m = triton.next_power_of_2(max(cfg.block_m, 16, group_pad))
         block_q = block_m // group_pad
         num_q_blocks = query.shape[0] // block_q + num_reqs
-        _prefill_kernel[(num_q_blocks, num_kv_heads)](
+        launch(_prefill_kernel, (num_q_blocks, num_kv_heads))(
             query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
             qk_scale, window, softcap_l2, head_dim, *common_strides, group, num_reqs,
             BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,

@@ -79,9 +79,13 @@ class GraphBuckets:
         return None
 
     def capture(self, make_body: Callable[[int], Callable[[], None]], *, pool: tuple | None = None,
-                emulate: bool = False) -> tuple | None:
+                emulate: bool = False, warmups: int = 2) -> tuple | None:
         """Capture `make_body(b)` for every bucket, largest first, in one memory pool (`pool`, or a
         new one); returns the pool, so that the next set's graphs can share it.
+
+        Each body runs `warmups` times before its capture (Triton builds and loads its kernels, cuBLAS
+        picks its own); 1 where a build-ahead pass already ran every body once
+        (`runner.worker.step_graphs.build_step_kernels_ahead`).
 
         `emulate=True` (tests, CPU): no capture; "replay" runs the same body eagerly on the same
         fixed views, which exercises the bucket, padding and fixed-offset logic without a GPU.
@@ -91,7 +95,7 @@ class GraphBuckets:
             return pool
         for b in reversed(self.sizes):
             body = make_body(b)
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+            for _ in range(max(1, warmups)):
                 body()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

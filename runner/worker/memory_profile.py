@@ -6,17 +6,21 @@ must be the real one of the engine's own step path, not an estimate.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from runner.engine.request import Request
 from runner.engine.step_io import SchedulerOutput
+from runner.layers.triton_launch import build_ahead
 from runner.sampling_params import SamplingParams
 from runner.worker.kv_cache import allocate_kv_caches
 
 if TYPE_CHECKING:  # type hints only: the runner calls this module, not the other way round
     from runner.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
@@ -39,20 +43,13 @@ def profile_peak_memory(runner: ModelRunner, *, force: bool = False) -> int:
     n_blocks = sum(-(-n // bs) for n in lens)
     saved_caches, saved_steps = runner.kv_caches, runner.num_forward_steps
     runner.kv_caches = allocate_kv_caches(runner.kv_spec, n_blocks, runner.device)
-    reqs: list[Request] = []
-    next_block = 0
-    for i, n in enumerate(lens):
-        req = Request(f"profile-{i}", i, [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
-        req.slot = i
-        req.block_ids = list(range(next_block, next_block + -(-n // bs)))
-        next_block += len(req.block_ids)
-        reqs.append(req)
     cuda = runner.device.type == "cuda"
     if cuda:
+        _build_kernels_ahead(runner, lens)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(runner.device)
     base = torch.cuda.memory_allocated(runner.device) if cuda else 0
-    runner.execute(SchedulerOutput(reqs, lens, [True] * len(lens)))
+    runner.execute(_largest_step(runner, lens))
     worst = torch.zeros(runner.max_num_seqs, runner.vocab_size, dtype=torch.float32, device=runner.device)
     worst = torch.softmax(worst, dim=-1).sort(dim=-1)
     del worst
@@ -66,6 +63,31 @@ def profile_peak_memory(runner: ModelRunner, *, force: bool = False) -> int:
     if cuda:
         torch.cuda.empty_cache()
     return int(peak)
+
+
+def _largest_step(runner: ModelRunner, lens: list[int]) -> SchedulerOutput:
+    """One prefill step of requests of `lens` tokens, their blocks laid out in turn from block 0."""
+    reqs: list[Request] = []
+    next_block = 0
+    for i, n in enumerate(lens):
+        req = Request(f"profile-{i}", i, [0] * n, SamplingParams(max_tokens=1, temperature=0.0))
+        req.slot = i
+        req.block_ids = list(range(next_block, next_block + -(-n // runner.block_size)))
+        next_block += len(req.block_ids)
+        reqs.append(req)
+    return SchedulerOutput(reqs, lens, [True] * len(lens))
+
+
+def _build_kernels_ahead(runner: ModelRunner, lens: list[int]) -> None:
+    """The profile step's Triton kernels built at once (`runner.layers.triton_launch`): the step runs
+    once with its launches only building, before the measured run, which then finds them built."""
+    try:
+        with build_ahead(runner.kernel_build_threads) as ahead:
+            if ahead:
+                runner.execute(_largest_step(runner, lens))
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the measured run builds what is missing
+        logger.warning("building the profile step's kernels ahead failed (%s); they are built in place",
+                       type(exc).__name__)
 
 
 __all__ = ["profile_peak_memory"]

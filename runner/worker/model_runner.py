@@ -33,6 +33,7 @@ from runner.layers.attention_metadata import AttentionMetadata, ForwardContext, 
 from runner.layers.hf_attention import ATTN_IMPLEMENTATION, register_bridge_attention
 from runner.layers.logits_head import wrap_lm_head
 from runner.layers.sampler import Sampler
+from runner.layers.triton_launch import build_threads_from_env
 from runner.multimodal.state import MultimodalState
 from runner.worker.cuda_graphs import DecodeGraphs, GraphBuckets
 from runner.worker.hf_config import text_config
@@ -107,6 +108,9 @@ class ModelRunner:
         # Host tensors (prompt embeds, passthrough items) reach the device through one uploader
         # (BRIDGE_HOST_UPLOAD=0: plain copies and the NaN check on the host, for A/B runs).
         self.uploader = HostUploader(device) if env_switch("BRIDGE_HOST_UPLOAD") else None
+        # Threads that build start-up's Triton kernels side by side (`runner.layers.triton_launch`);
+        # 0 or 1: each is built when a launch first meets it.
+        self.kernel_build_threads = build_threads_from_env()
         self.prompt_embeds_state = (PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device,
                                                       uploader=self.uploader)
                                     if config.enable_prompt_embeds else None)

@@ -15,6 +15,7 @@ import torch
 
 from runner.config import MAX_DECODE_WINDOW
 from runner.layers.attention_metadata import AttentionMetadata
+from runner.layers.triton_launch import build_ahead
 from runner.worker.cuda_graphs import cuda_graph_batch_sizes, mixed_graph_token_sizes
 
 if TYPE_CHECKING:  # type hints only: the runner calls this module, not the other way round
@@ -79,6 +80,29 @@ def mixed_graph_body(runner: ModelRunner, tokens: int) -> Callable[[], None]:
 
 
 @torch.inference_mode()
+def build_step_kernels_ahead(runner: ModelRunner, mixed_sizes: list[int], decode_sizes: list[int]) -> bool:
+    """Build the Triton kernels of every graph body at once, on `runner.kernel_build_threads` threads
+    (`runner.layers.triton_launch`), before the captures meet them one by one.
+
+    Each body runs once with its Triton launches only building (its torch ops run on the bucket's
+    zeroed views and scratch outputs; nothing is captured). Returns whether build-ahead was on; a
+    failure is logged and left to the captures, which build in place as they always could.
+    """
+    try:
+        with build_ahead(runner.kernel_build_threads) as ahead:
+            if ahead:
+                for tokens in reversed(mixed_sizes):
+                    mixed_graph_body(runner, tokens)()
+                for b in reversed(decode_sizes):
+                    decode_graph_body(runner, b)()
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the captures build what is missing
+        logger.warning("building the graph kernels ahead failed (%s: %s); the captures build them in turn",
+                       type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        return False
+    return ahead
+
+
+@torch.inference_mode()
 def capture_step_graphs(runner: ModelRunner, *, emulate: bool = False) -> None:
     """Capture the mixed-step graphs, then a decode graph per batch-size bucket, in one memory pool; on
     the CPU only with `emulate=True` (tests), where "replay" runs the same body eagerly.
@@ -92,11 +116,17 @@ def capture_step_graphs(runner: ModelRunner, *, emulate: bool = False) -> None:
     runner.decode_graphs.allocate(sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device)
     mixed = runner.mixed_graphs
     mixed.sizes = mixed_graph_token_sizes(runner.mixed_graph_max_tokens)  # capped at the step budget
+    built_ahead = False
+    if not emulate and runner.kernel_build_threads > 1:
+        with runner.startup_phase("kernel_builds"):
+            built_ahead = build_step_kernels_ahead(runner, mixed.sizes, sizes)
+    warmups = 1 if built_ahead else 2  # the build-ahead pass ran every body once already
     pool = None
     if mixed.sizes:
         try:
             with runner.startup_phase("mixed_graphs"):
-                pool = mixed.capture(lambda tokens: mixed_graph_body(runner, tokens), emulate=emulate)
+                pool = mixed.capture(lambda tokens: mixed_graph_body(runner, tokens), emulate=emulate,
+                                    warmups=warmups)
         except RuntimeError as exc:  # e.g. "operation not permitted when stream is capturing"
             logger.warning("prefill and mixed steps stay eager: capturing their CUDA graphs failed (%s)",
                            str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__)
@@ -106,7 +136,11 @@ def capture_step_graphs(runner: ModelRunner, *, emulate: bool = False) -> None:
             if not emulate:
                 torch.cuda.synchronize()
     with runner.startup_phase("decode_graphs"):
-        runner.decode_graphs.capture(lambda b: decode_graph_body(runner, b), pool=pool, emulate=emulate)
+        runner.decode_graphs.capture(lambda b: decode_graph_body(runner, b), pool=pool, emulate=emulate,
+                                     warmups=warmups)
 
 
-__all__ = ["MIXED_GRAPH_MIN_QUERY_ROWS", "capture_step_graphs", "decode_graph_body", "mixed_graph_body"]
+__all__ = [
+    "MIXED_GRAPH_MIN_QUERY_ROWS", "build_step_kernels_ahead", "capture_step_graphs", "decode_graph_body",
+    "mixed_graph_body",
+]

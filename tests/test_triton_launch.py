@@ -1,0 +1,161 @@
+"""Start-up kernel builds side by side (`runner.layers.triton_launch`).
+
+The engine test builds real sm_90 kernels on the CPU: Triton compiles for a GPU target without one,
+given a driver that names the target (`_FakeDriver`). It runs in a child process without
+TRITON_INTERPRET (this suite's processes interpret kernels, and an interpreted kernel builds nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from runner.layers import triton_launch
+from runner.layers.triton_launch import build_ahead, build_threads_from_env, building_ahead, launch
+
+
+class _Kernel:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.calls.append(("launch", grid, a, k))
+
+    def warmup(self, *a, grid, **k):
+        self.calls.append(("build", grid, a, k))
+
+
+def test_launch_is_the_plain_launch_outside_build_ahead():
+    kernel = _Kernel()
+    launch(kernel, (3,))(1, 2, BLOCK=4)
+    assert kernel.calls == [("launch", (3,), (1, 2), {"BLOCK": 4})]
+    assert not building_ahead()
+
+
+def test_build_ahead_stays_off_where_it_cannot_help(monkeypatch):
+    kernel = _Kernel()
+    for threads in (0, 1):
+        with build_ahead(threads) as on:
+            assert on is False and not building_ahead()
+            launch(kernel, (1,))(7)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with build_ahead(4) as on:
+        assert on is False
+        launch(kernel, (1,))(8)
+    monkeypatch.setattr(triton_launch, "_async_compile_mode", lambda: None)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with build_ahead(4) as on:
+        assert on is False
+    assert [c[0] for c in kernel.calls] == ["launch", "launch", "launch"]
+
+
+def test_build_threads_from_the_environment(monkeypatch):
+    monkeypatch.delenv(triton_launch.BUILD_THREADS_ENV, raising=False)
+    assert build_threads_from_env() == 0
+    monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "6")
+    assert build_threads_from_env() == 6
+    monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "auto")
+    assert build_threads_from_env() == min(8, os.cpu_count() or 1)
+    monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "many")
+    assert build_threads_from_env() == 0
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys, threading, time
+    import torch, triton, triton.compiler
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class _FakeDriver:  # what Triton asks of a driver to bind and build (never to launch)
+        def get_current_device(self): return 0
+        def get_current_stream(self, device=None): return 0
+        def get_current_target(self): return GPUTarget("cuda", 90, 32)
+        def get_active_torch_device(self): return torch.device("cpu")
+
+    driver.set_active(_FakeDriver())
+    builds, running, peak, lock = [], [0], [0], threading.Lock()
+    real_compile = triton.compiler.compile
+
+    def counted_compile(*args, **kwargs):  # the binders pick this up: none exists yet
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        try:
+            return real_compile(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+                builds.append(threading.current_thread().name)
+
+    triton.compiler.compile = counted_compile
+
+    from runner.layers import fused_layers, fused_linear, fused_ops, triton_launch
+    from runner.layers.hf_attention import set_attention_backend
+    from runner.llm import LLM
+    from runner.worker import memory_profile
+    from runner.worker.cuda_graphs import cuda_graph_batch_sizes, mixed_graph_token_sizes
+    from runner.worker.step_graphs import build_step_kernels_ahead, decode_graph_body, mixed_graph_body
+
+    torch.set_num_threads(1)
+    llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4,
+              max_num_batched_tokens=64)
+    runner = llm.runner
+    fused_layers.FUSED_LAYERS_ON_CPU = fused_layers.NORM_GEMM_ON_CPU = True
+    fused_linear.SILU_MUL_ON_CPU = fused_ops.ROTARY_ON_CPU = True
+    fused_linear.fuse_linears(runner.model)
+    fused_layers.fuse_decoder_layers(runner.model)
+    fused_ops.fuse_rmsnorms(runner.model)
+    set_attention_backend("triton")
+    decode_sizes = cuda_graph_batch_sizes(runner.max_num_seqs)
+    mixed_sizes = mixed_graph_token_sizes(64)
+    runner.decode_graphs.allocate(decode_sizes, runner.vocab_size, 4, runner.device)
+    runner.kernel_build_threads = 2
+    started = time.perf_counter()
+    on = build_step_kernels_ahead(runner, mixed_sizes, decode_sizes)
+    ahead_s = time.perf_counter() - started
+    ahead = list(builds)
+
+    # The profile's eager step (prefill of two requests through the runner's own step path).
+    memory_profile._build_kernels_ahead(runner, [40, 24])
+    profile = builds[len(ahead):]
+
+    # The same work again, building in place (no thread pool): every key is already in its
+    # kernel's cache, so nothing more is built: the keys are the ones a launch looks up.
+    token = triton_launch._BUILD_ONLY.set(True)
+    for tokens in mixed_sizes:
+        mixed_graph_body(runner, tokens)()
+    for b in decode_sizes:
+        decode_graph_body(runner, b)()
+    runner.execute(memory_profile._largest_step(runner, [40, 24]))
+    triton_launch._BUILD_ONLY.reset(token)
+    print("RESULT " + json.dumps({"on": on, "ahead": ahead, "profile": profile,
+                                  "after": builds[len(ahead) + len(profile):], "peak": peak[0],
+                                  "seconds": ahead_s}))
+""")
+
+
+def test_graph_kernels_build_side_by_side_and_fill_the_launch_caches(tiny_model_root, tmp_path):
+    from bridge.tiny_models import build_tiny_model
+
+    path = build_tiny_model(tiny_model_root / "build_ahead_qwen3", "qwen3", seed=5, head_dim=32)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=os.getcwd())
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"child failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["on"] is True
+    # decode and prefill attention, the fused q/k/v + norm + rotary + KV write, gate/up + SiLU, ...
+    assert len(res["ahead"]) >= 4, res
+    assert all(name.startswith("triton-build") for name in res["ahead"]), res["ahead"]
+    assert res["peak"] >= 2, res  # two builds ran at once
+    # the eager prefill step (its own attention tiles, the unfused layer path above the norm-GEMM rows)
+    assert res["profile"] and all(name.startswith("triton-build") for name in res["profile"]), res
+    assert res["after"] == [], res  # nothing left for the captures or the profile run to build
