@@ -159,3 +159,47 @@ def test_graph_kernels_build_side_by_side_and_fill_the_launch_caches(tiny_model_
     # the eager prefill step (its own attention tiles, the unfused layer path above the norm-GEMM rows)
     assert res["profile"] and all(name.startswith("triton-build") for name in res["profile"]), res
     assert res["after"] == [], res  # nothing left for the captures or the profile run to build
+
+
+_GPU_CHILD = textwrap.dedent("""
+    import json, sys
+    from runner.llm import LLM
+    from runner.sampling_params import SamplingParams
+
+    prompts = [[5 + i, 17, 3 * i + 2, 40, 9][: 3 + i % 3] for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    llm = LLM(sys.argv[1], dtype="float32", device="cuda", kv_cache_memory=64 << 20)
+    phases = {k: list(v) for k, v in llm.runner.startup_phases.items()}
+    graphed = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                            params, use_tqdm=False)]
+    replays = llm.runner.num_graph_replays + llm.runner.num_mixed_graph_replays
+    llm.shutdown()
+    eager = LLM(sys.argv[1], dtype="float32", device="cuda", kv_cache_memory=64 << 20, enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in prompts],
+                                                           params, use_tqdm=False)]
+    print("RESULT " + json.dumps({"phases": phases, "graphed": graphed, "eager": want, "replays": replays}))
+""")
+
+
+@pytest.mark.gpu
+def test_engine_with_kernels_built_ahead_captures_without_building_and_matches_eager(
+    tiny_model_root, tmp_path
+):
+    """On a cold Triton cache with BRIDGE_KERNEL_BUILD_THREADS=4: the build-ahead phase builds the graph
+    bodies' kernels, the captures (one warm-up each) build none, and greedy tokens equal eager ones."""
+    from bridge.tiny_models import build_tiny_model
+
+    path = build_tiny_model(tiny_model_root / "build_ahead_gpu_qwen3", "qwen3", seed=5, head_dim=32)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": os.getcwd(),
+           triton_launch.BUILD_THREADS_ENV: "4"}
+    proc = subprocess.run([sys.executable, "-c", _GPU_CHILD, str(path)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"child failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    phases = res["phases"]
+    assert phases["kernel_builds"][1] > 0, phases
+    assert phases["decode_graphs"][1] == 0 and phases.get("mixed_graphs", [0, 0])[1] == 0, phases
+    assert res["replays"] > 0
+    assert res["graphed"] == res["eager"]
