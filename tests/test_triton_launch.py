@@ -98,8 +98,9 @@ _CHILD = textwrap.dedent("""
     from runner.layers.hf_attention import set_attention_backend
     from runner.llm import LLM
     from runner.worker import memory_profile
-    from runner.worker.cuda_graphs import cuda_graph_batch_sizes, mixed_graph_token_sizes
-    from runner.worker.step_graphs import build_step_kernels_ahead, decode_graph_body, mixed_graph_body
+    from runner.worker.kernel_builds_ahead import build_startup_kernels
+    from runner.worker.step_graphs import decode_graph_body, decode_graph_sizes, mixed_graph_body
+    from runner.worker.cuda_graphs import mixed_graph_token_sizes
 
     torch.set_num_threads(1)
     llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4,
@@ -111,35 +112,30 @@ _CHILD = textwrap.dedent("""
     fused_layers.fuse_decoder_layers(runner.model)
     fused_ops.fuse_rmsnorms(runner.model)
     set_attention_backend("triton")
-    decode_sizes = cuda_graph_batch_sizes(runner.max_num_seqs)
-    mixed_sizes = mixed_graph_token_sizes(64)
-    runner.decode_graphs.allocate(decode_sizes, runner.vocab_size, 4, runner.device)
     runner.kernel_build_threads = 2
     started = time.perf_counter()
-    on = build_step_kernels_ahead(runner, mixed_sizes, decode_sizes)
+    on = build_startup_kernels(runner, graphs=True)
     ahead_s = time.perf_counter() - started
     ahead = list(builds)
-
-    # The profile's eager step (prefill of two requests through the runner's own step path).
-    memory_profile._build_kernels_ahead(runner, [40, 24])
-    profile = builds[len(ahead):]
+    decode_sizes = decode_graph_sizes(runner)
+    mixed_sizes = mixed_graph_token_sizes(runner.mixed_graph_max_tokens)
 
     # The same work again, building in place (no thread pool): every key is already in its
     # kernel's cache, so nothing more is built: the keys are the ones a launch looks up.
+    runner.decode_graphs.allocate(decode_sizes, runner.vocab_size, 4, runner.device)
     token = triton_launch._BUILD_ONLY.set(True)
+    runner.execute(memory_profile.largest_step(runner, memory_profile.largest_step_lens(runner)))
     for tokens in mixed_sizes:
         mixed_graph_body(runner, tokens)()
     for b in decode_sizes:
         decode_graph_body(runner, b)()
-    runner.execute(memory_profile._largest_step(runner, [40, 24]))
     triton_launch._BUILD_ONLY.reset(token)
-    print("RESULT " + json.dumps({"on": on, "ahead": ahead, "profile": profile,
-                                  "after": builds[len(ahead) + len(profile):], "peak": peak[0],
-                                  "seconds": ahead_s}))
+    print("RESULT " + json.dumps({"on": on, "ahead": ahead, "after": builds[len(ahead):], "peak": peak[0],
+                                  "seconds": ahead_s, "buckets": [mixed_sizes, decode_sizes]}))
 """)
 
 
-def test_graph_kernels_build_side_by_side_and_fill_the_launch_caches(tiny_model_root, tmp_path):
+def test_start_up_kernels_build_side_by_side_and_fill_the_launch_caches(tiny_model_root, tmp_path):
     from bridge.tiny_models import build_tiny_model
 
     path = build_tiny_model(tiny_model_root / "build_ahead_qwen3", "qwen3", seed=5, head_dim=32)
@@ -156,9 +152,8 @@ def test_graph_kernels_build_side_by_side_and_fill_the_launch_caches(tiny_model_
     assert len(res["ahead"]) >= 4, res
     assert all(name.startswith("triton-build") for name in res["ahead"]), res["ahead"]
     assert res["peak"] >= 2, res  # two builds ran at once
-    # the eager prefill step (its own attention tiles, the unfused layer path above the norm-GEMM rows)
-    assert res["profile"] and all(name.startswith("triton-build") for name in res["profile"]), res
-    assert res["after"] == [], res  # nothing left for the captures or the profile run to build
+    assert res["buckets"] == [[16, 32, 64], [1, 2, 4]], res
+    assert res["after"] == [], res  # nothing left for the profile step or the captures to build
 
 
 _GPU_CHILD = textwrap.dedent("""

@@ -6,21 +6,17 @@ must be the real one of the engine's own step path, not an estimate.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from runner.engine.request import Request
 from runner.engine.step_io import SchedulerOutput
-from runner.layers.triton_launch import build_ahead
 from runner.sampling_params import SamplingParams
 from runner.worker.kv_cache import allocate_kv_caches
 
 if TYPE_CHECKING:  # type hints only: the runner calls this module, not the other way round
     from runner.worker.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
@@ -34,22 +30,15 @@ def profile_peak_memory(runner: ModelRunner, *, force: bool = False) -> int:
     """
     if runner.device.type != "cuda" and not force:
         return 0
-    bs = runner.block_size
-    lens: list[int] = []
-    left = runner.max_num_batched_tokens
-    while left > 0 and len(lens) < runner.max_num_seqs:
-        lens.append(min(left, runner.max_model_len))
-        left -= lens[-1]
-    n_blocks = sum(-(-n // bs) for n in lens)
+    lens = largest_step_lens(runner)
     saved_caches, saved_steps = runner.kv_caches, runner.num_forward_steps
-    runner.kv_caches = allocate_kv_caches(runner.kv_spec, n_blocks, runner.device)
+    runner.kv_caches = allocate_kv_caches(runner.kv_spec, blocks_for(runner, lens), runner.device)
     cuda = runner.device.type == "cuda"
     if cuda:
-        _build_kernels_ahead(runner, lens)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(runner.device)
     base = torch.cuda.memory_allocated(runner.device) if cuda else 0
-    runner.execute(_largest_step(runner, lens))
+    runner.execute(largest_step(runner, lens))
     worst = torch.zeros(runner.max_num_seqs, runner.vocab_size, dtype=torch.float32, device=runner.device)
     worst = torch.softmax(worst, dim=-1).sort(dim=-1)
     del worst
@@ -65,7 +54,22 @@ def profile_peak_memory(runner: ModelRunner, *, force: bool = False) -> int:
     return int(peak)
 
 
-def _largest_step(runner: ModelRunner, lens: list[int]) -> SchedulerOutput:
+def largest_step_lens(runner: ModelRunner) -> list[int]:
+    """Prompt lengths of the largest step: `max_num_batched_tokens` tokens over as few requests as the
+    context allows."""
+    lens: list[int] = []
+    left = runner.max_num_batched_tokens
+    while left > 0 and len(lens) < runner.max_num_seqs:
+        lens.append(min(left, runner.max_model_len))
+        left -= lens[-1]
+    return lens
+
+
+def blocks_for(runner: ModelRunner, lens: list[int]) -> int:
+    return sum(-(-n // runner.block_size) for n in lens)
+
+
+def largest_step(runner: ModelRunner, lens: list[int]) -> SchedulerOutput:
     """One prefill step of requests of `lens` tokens, their blocks laid out in turn from block 0."""
     reqs: list[Request] = []
     next_block = 0
@@ -78,16 +82,4 @@ def _largest_step(runner: ModelRunner, lens: list[int]) -> SchedulerOutput:
     return SchedulerOutput(reqs, lens, [True] * len(lens))
 
 
-def _build_kernels_ahead(runner: ModelRunner, lens: list[int]) -> None:
-    """The profile step's Triton kernels built at once (`runner.layers.triton_launch`): the step runs
-    once with its launches only building, before the measured run, which then finds them built."""
-    try:
-        with build_ahead(runner.kernel_build_threads) as ahead:
-            if ahead:
-                runner.execute(_largest_step(runner, lens))
-    except Exception as exc:  # noqa: BLE001 - an optimisation: the measured run builds what is missing
-        logger.warning("building the profile step's kernels ahead failed (%s); they are built in place",
-                       type(exc).__name__)
-
-
-__all__ = ["profile_peak_memory"]
+__all__ = ["blocks_for", "largest_step", "largest_step_lens", "profile_peak_memory"]

@@ -39,6 +39,7 @@ from runner.worker.cuda_graphs import DecodeGraphs, GraphBuckets
 from runner.worker.hf_config import text_config
 from runner.worker.host_upload import HostUploader
 from runner.worker.inputs_embeds import InputsEmbedsBuilder
+from runner.worker.kernel_builds_ahead import build_startup_kernels
 from runner.worker.kernels import install_kernels
 from runner.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from runner.worker.memory_profile import profile_peak_memory
@@ -111,6 +112,7 @@ class ModelRunner:
         # Threads that build start-up's Triton kernels side by side (`runner.layers.triton_launch`);
         # 0 or 1: each is built when a launch first meets it.
         self.kernel_build_threads = build_threads_from_env()
+        self.kernels_built_ahead = False  # set by `setup` when that pass ran
         self.prompt_embeds_state = (PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device,
                                                       uploader=self.uploader)
                                     if config.enable_prompt_embeds else None)
@@ -201,6 +203,9 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         if on_gpu:  # engines dropped without shutdown() may sit in reference cycles: free them first
             gc.collect()
+        if on_gpu and self.kernel_build_threads > 1:
+            with self.startup_phase("kernel_builds"):
+                self.kernels_built_ahead = build_startup_kernels(self, graphs=c.use_cuda_graphs)
         with self.startup_phase("profile"):
             peak = self.activation_peak_bytes = (self.profile_peak_memory()
                                                  if on_gpu and c.kv_cache_memory is None else 0)

@@ -15,7 +15,6 @@ import torch
 
 from runner.config import MAX_DECODE_WINDOW
 from runner.layers.attention_metadata import AttentionMetadata
-from runner.layers.triton_launch import build_ahead
 from runner.worker.cuda_graphs import cuda_graph_batch_sizes, mixed_graph_token_sizes
 
 if TYPE_CHECKING:  # type hints only: the runner calls this module, not the other way round
@@ -25,6 +24,11 @@ logger = logging.getLogger(__name__)
 
 # The prefill tile class every mixed-step graph is captured with (see `mixed_graph_body`).
 MIXED_GRAPH_MIN_QUERY_ROWS = 64
+
+
+def decode_graph_sizes(runner: ModelRunner) -> list[int]:
+    """The decode graphs' batch-size buckets: up to the most requests one step can hold."""
+    return cuda_graph_batch_sizes(min(runner.max_num_seqs, runner.max_num_batched_tokens))
 
 
 def decode_graph_body(runner: ModelRunner, b: int) -> Callable[[], None]:
@@ -80,29 +84,6 @@ def mixed_graph_body(runner: ModelRunner, tokens: int) -> Callable[[], None]:
 
 
 @torch.inference_mode()
-def build_step_kernels_ahead(runner: ModelRunner, mixed_sizes: list[int], decode_sizes: list[int]) -> bool:
-    """Build the Triton kernels of every graph body at once, on `runner.kernel_build_threads` threads
-    (`runner.layers.triton_launch`), before the captures meet them one by one.
-
-    Each body runs once with its Triton launches only building (its torch ops run on the bucket's
-    zeroed views and scratch outputs; nothing is captured). Returns whether build-ahead was on; a
-    failure is logged and left to the captures, which build in place as they always could.
-    """
-    try:
-        with build_ahead(runner.kernel_build_threads) as ahead:
-            if ahead:
-                for tokens in reversed(mixed_sizes):
-                    mixed_graph_body(runner, tokens)()
-                for b in reversed(decode_sizes):
-                    decode_graph_body(runner, b)()
-    except Exception as exc:  # noqa: BLE001 - an optimisation: the captures build what is missing
-        logger.warning("building the graph kernels ahead failed (%s: %s); the captures build them in turn",
-                       type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
-        return False
-    return ahead
-
-
-@torch.inference_mode()
 def capture_step_graphs(runner: ModelRunner, *, emulate: bool = False) -> None:
     """Capture the mixed-step graphs, then a decode graph per batch-size bucket, in one memory pool; on
     the CPU only with `emulate=True` (tests), where "replay" runs the same body eagerly.
@@ -112,15 +93,11 @@ def capture_step_graphs(runner: ModelRunner, *, emulate: bool = False) -> None:
     """
     if runner.device.type != "cuda" and not emulate:
         return
-    sizes = cuda_graph_batch_sizes(min(runner.max_num_seqs, runner.max_num_batched_tokens))
+    sizes = decode_graph_sizes(runner)
     runner.decode_graphs.allocate(sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device)
     mixed = runner.mixed_graphs
     mixed.sizes = mixed_graph_token_sizes(runner.mixed_graph_max_tokens)  # capped at the step budget
-    built_ahead = False
-    if not emulate and runner.kernel_build_threads > 1:
-        with runner.startup_phase("kernel_builds"):
-            built_ahead = build_step_kernels_ahead(runner, mixed.sizes, sizes)
-    warmups = 1 if built_ahead else 2  # the build-ahead pass ran every body once already
+    warmups = 1 if runner.kernels_built_ahead else 2  # the build-ahead pass ran every body once already
     pool = None
     if mixed.sizes:
         try:
@@ -141,6 +118,6 @@ def capture_step_graphs(runner: ModelRunner, *, emulate: bool = False) -> None:
 
 
 __all__ = [
-    "MIXED_GRAPH_MIN_QUERY_ROWS", "build_step_kernels_ahead", "capture_step_graphs", "decode_graph_body",
+    "MIXED_GRAPH_MIN_QUERY_ROWS", "capture_step_graphs", "decode_graph_body", "decode_graph_sizes",
     "mixed_graph_body",
 ]
