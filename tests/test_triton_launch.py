@@ -180,8 +180,9 @@ _GPU_CHILD = textwrap.dedent("""
 def test_engine_with_kernels_built_ahead_captures_without_building_and_matches_eager(
     tiny_model_root, tmp_path
 ):
-    """On a cold Triton cache with BRIDGE_KERNEL_BUILD_THREADS=4: the build-ahead phase builds the graph
-    bodies' kernels, the captures (one warm-up each) build none, and greedy tokens equal eager ones."""
+    """On a cold Triton cache with BRIDGE_KERNEL_BUILD_THREADS=4: the build-ahead phase builds the kernels
+    of the profile step and the graph bodies, the profile and the captures (one warm-up each) build none,
+    and greedy tokens equal eager ones."""
     from bridge.tiny_models import build_tiny_model
 
     path = build_tiny_model(tiny_model_root / "build_ahead_gpu_qwen3", "qwen3", seed=5, head_dim=32)
@@ -195,6 +196,8 @@ def test_engine_with_kernels_built_ahead_captures_without_building_and_matches_e
     res = json.loads(lines[-1][len("RESULT "):])
     phases = res["phases"]
     assert phases["kernel_builds"][1] > 0, phases
-    assert phases["decode_graphs"][1] == 0 and phases.get("mixed_graphs", [0, 0])[1] == 0, phases
+    # the profile step and the captures met only kernels built ahead
+    assert phases["profile"][1] == 0 and phases["decode_graphs"][1] == 0, phases
+    assert phases.get("mixed_graphs", [0, 0])[1] == 0, phases
     assert res["replays"] > 0
     assert res["graphed"] == res["eager"]
