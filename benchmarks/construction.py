@@ -15,7 +15,9 @@ One command, GPU (about two minutes on an H200):
 `CAP:THREADS`, where THREADS sets `BRIDGE_KERNEL_BUILD_THREADS` for that side (start-up kernels
 built side by side on that many threads, `runner.layers.triton_launch`; 0: one by one), e.g.
 `--sides 16384:0,16384:8`. `--warm-too`: each side constructs a second time in a new process on the
-cache its cold run filled (a restart on the same machine), reported as `<side> warm`.
+cache its cold run filled (a restart on the same machine), reported as `<side> warm`. With build
+threads, the `kernel_builds` phase's seconds are the measure: its builds ran side by side, and each
+build's own line counts from its submission to the end of the pass.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ prefill step with a number of requests no warm-up step had). `LLM.kernel_compile
 
 Triton's runtime hooks (`triton.knobs.runtime.jit_cache_hook`, called before a build on an
 in-memory cache miss, and `jit_post_compile_hook`, after it) are chained, never replaced: a hook
-installed before this one still runs.
+installed before this one still runs. Builds made side by side at start-up
+(`runner.layers.triton_launch.build_ahead`) are counted when their pass ends, and each one's seconds run
+from its submission to that end: they overlap, so their sum is more than the pass took.
 """
 
 from __future__ import annotations
