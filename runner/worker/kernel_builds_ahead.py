@@ -7,7 +7,8 @@ Triton launches only building (`runner.layers.triton_launch`): the profile's lar
 the body of every mixed-step and decode graph bucket, on a temporary KV cache and temporary graph
 output buffers. All their builds go to one thread pool at once; leaving the block waits for them.
 The torch ops in between run for real on scratch data (so cuBLAS has picked its kernels too, and a
-capture needs one warm-up, not two); nothing a build-only launch would have written is read back.
+capture needs one warm-up, not two); the one thing the host reads back, the profile step's sampled
+ids (argmax of scratch logits, so valid ids), is dropped.
 
 `ModelRunner.kernel_build_threads` (from BRIDGE_KERNEL_BUILD_THREADS) turns it on; any failure is
 logged and start-up goes on as without it: the real runs build whatever is missing, as they always did.
