@@ -62,6 +62,14 @@ class _EagerReplay:
         self.body()
 
 
+def _capture(body: Callable[[], None], pool: tuple | None) -> torch.cuda.CUDAGraph:
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph
+
+
 class GraphBuckets:
     """Captured graphs by size bucket (a decode batch size, or a mixed step's token count)."""
 
@@ -85,7 +93,8 @@ class GraphBuckets:
 
         Each body runs `warmups` times before its capture (Triton builds and loads its kernels, cuBLAS
         picks its own); 1 where a build-ahead pass already ran every body once
-        (`runner.worker.step_graphs.build_step_kernels_ahead`).
+        (`runner.worker.kernel_builds_ahead`). With one warm-up, a capture that fails gets a second
+        warm-up and one more try, as the two-warm-up default would have had.
 
         `emulate=True` (tests, CPU): no capture; "replay" runs the same body eagerly on the same
         fixed views, which exercises the bucket, padding and fixed-offset logic without a GPU.
@@ -97,10 +106,16 @@ class GraphBuckets:
             body = make_body(b)
             for _ in range(max(1, warmups)):
                 body()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            try:
+                graph = _capture(body, pool)
+            except RuntimeError as exc:  # e.g. something set up lazily on a body's second run
+                if warmups >= 2:
+                    raise
+                logger.info("capturing the %s graph of size %d after one warm-up failed (%s); warming up "
+                            "once more", self.kind, b, str(exc).splitlines()[0][:200] if str(exc) else "")
+                torch.cuda.synchronize()
                 body()
+                graph = _capture(body, pool)
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
