@@ -9,7 +9,8 @@ kernels built during the graph captures with their seconds.
 
 One command, GPU (about two minutes on an H200):
 
-    python benchmarks/construction.py [--sides 0,512,4096] [--warm-too] [--out results.json]
+    python benchmarks/construction.py [--sides 0,512,4096] [--warm-too] [--gpu-memory-utilization 0.85]
+                                      [--out results.json]
 
 `--sides`: values of `mixed_graph_max_tokens` (0: prefill and mixed steps eager), each optionally
 `CAP:THREADS`, where THREADS sets `BRIDGE_KERNEL_BUILD_THREADS` for that side (start-up kernels
@@ -17,7 +18,8 @@ built side by side on that many threads, `runner.layers.triton_launch`; 0: one b
 `--sides 16384:0,16384:8`. `--warm-too`: each side constructs a second time in a new process on the
 cache its cold run filled (a restart on the same machine), reported as `<side> warm`. With build
 threads, the `kernel_builds` phase's seconds are the measure: its builds ran side by side, and each
-build's own line counts from its submission to the end of the pass.
+build's own line counts from its submission to the end of the pass. Each side also reports its KV blocks
+and `LLM.memory_report()` at `--gpu-memory-utilization`.
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ def child(args) -> int:
     device, model_dir, dtype = bench_setup(args)
     started = time.perf_counter()
     llm = LLM(model_dir, dtype=dtype, device=device, enable_prompt_embeds=True,
-              gpu_memory_utilization=0.85, mixed_graph_max_tokens=args.mixed)
+              gpu_memory_utilization=args.gpu_memory_utilization, mixed_graph_max_tokens=args.mixed)
     out = {"construct_s": time.perf_counter() - started,
            "phases": {k: {"seconds": s, "builds": n} for k, (s, n) in llm.runner.startup_phases.items()},
-           "builds": builds.lines, "mixed_sizes": llm.runner.mixed_graphs.sizes}
+           "builds": builds.lines, "mixed_sizes": llm.runner.mixed_graphs.sizes,
+           "gpu_memory_utilization": args.gpu_memory_utilization, "kv_blocks": llm.num_total_blocks,
+           "memory_report": llm.memory_report()}
     print("RESULT " + json.dumps(out))
     return 0
 
@@ -74,6 +78,8 @@ def main() -> int:
 
     ap.add_argument("--sides", default="0,512,4096")
     ap.add_argument("--warm-too", action="store_true", help="a second, warm-cache construction per side")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                    help="the engines' setting (0.85 as generate.py; 0.9 for issue 14's KV block count)")
     add_side_arguments(ap)
     args = ap.parse_args()
     if args.child:
@@ -89,7 +95,8 @@ def main() -> int:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
             if threads:
                 env["BRIDGE_KERNEL_BUILD_THREADS"] = threads
-            cmd = [sys.executable, __file__, "--child", "--mixed", cap, "--model-dir", args.model_dir]
+            cmd = [sys.executable, __file__, "--child", "--mixed", cap, "--model-dir", args.model_dir,
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
             cmd += ["--cpu"] if args.cpu else []
             runs = [side, f"{side} warm"] if args.warm_too else [side]
             for name in runs:  # the warm run reuses the cache directory the cold one filled
@@ -103,7 +110,8 @@ def _report(name: str, res: dict) -> None:
     phases = ", ".join(f"{k} {v['seconds']:.2f} s ({v['builds']} builds)" for k, v in res["phases"].items())
     print(f"side {name} (mixed_graph_max_tokens[:build threads]): constructed in {res['construct_s']:.2f} s; "
           f"{phases}")
-    print(f"  buckets {res['mixed_sizes']}; {len(res['builds'])} Triton builds in all:")
+    print(f"  {res['kv_blocks']} KV blocks at gpu_memory_utilization={res['gpu_memory_utilization']}; "
+          f"buckets {res['mixed_sizes']}; {len(res['builds'])} Triton builds in all:")
     for line in res["builds"]:
         print(f"    {line}")
 
