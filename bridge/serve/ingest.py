@@ -12,6 +12,9 @@ replaced by `PLACEHOLDER`, and per payload either `(bytes, dtype name, shape)` o
 message); the tensor is rebuilt with `torch.frombuffer`, so nothing from a client is ever unpickled
 in either process, and a payload is validated by the same `load_prompt_embeds` as the inline path.
 
+Both here and in a worker the JSON goes through `bridge.serve.json_body.loads_body` (`json.loads`,
+with long base64 strings kept out of its character-by-character string scan).
+
 Bodies up to `inline_bytes` are parsed in the event loop as before (the hop costs more than it
 saves on small ones); with `workers=0` every body is (the CPU-device default: there the engine
 needs the cores).
@@ -34,6 +37,7 @@ import torch
 from fastapi import Request
 from fastapi.routing import APIRoute
 
+from bridge.serve.json_body import loads_body
 from bridge.serve.metrics import ServeMetrics
 from bridge.wire import load_prompt_embeds
 
@@ -96,7 +100,7 @@ def _warm() -> int:
 def parse_in_worker(body: bytes, spec: EmbedsSpec) -> tuple[str, Any, Any]:
     """("json_error", msg, pos) or ("ok", data, decoded | None). Runs in a pool process."""
     try:
-        data = json.loads(body)
+        data = loads_body(body)
     except json.JSONDecodeError as exc:
         return "json_error", exc.msg, exc.pos
     except UnicodeDecodeError as exc:  # json.loads decodes bytes itself; bad UTF-8 is a JSON error
@@ -209,7 +213,7 @@ class BodyParser:
     async def parse(self, body: bytes) -> ParsedBody:
         if self._pool is None or len(body) <= self.inline_bytes:
             self._count("inline")
-            return ParsedBody(json.loads(body), None)
+            return ParsedBody(loads_body(body), None)
         self._count("pool")
         loop = asyncio.get_running_loop()
         try:
@@ -219,7 +223,7 @@ class BodyParser:
             logger.error("an ingest worker died; restarting the pool and parsing this body in-process")
             self.close()
             self._pool = self._new_pool()
-            return ParsedBody(json.loads(body), None)
+            return ParsedBody(loads_body(body), None)
         if kind == "json_error":
             raise json.JSONDecodeError(data, "", decoded)
         return ParsedBody(data, None if decoded is None else [_rebuild(*d) for d in decoded])

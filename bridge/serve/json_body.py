@@ -1,0 +1,128 @@
+"""Request bodies whose long base64 strings skip `json.loads`'s character-by-character string scan.
+
+Why: a W1 prompt-embeds request is a 1.4 MB body that is almost all one base64 string, and `json.loads`
+reads a string one character at a time, checking each for a quote, an escape or a control character:
+1.3 ms of the ~6.7 ms of CPU an API process spent per such request (py-spy of `bridge serve` on the CPU
+with a 1024-wide model). Base64 text needs none of those checks: its alphabet has no quote, backslash or
+control character.
+
+`loads_body(body)` equals `json.loads(body)`. It finds the body's strings with `bytes.find` (C speed),
+keeps those of at least `LONG_STRING_BYTES` that are strict base64 (`pybase64` validates at about
+15 GB/s), replaces each by a short marker (a per-call random nonce: a client cannot send one), parses
+what is left with `json.loads`, and puts the strings back (`str(buffer, "ascii")`, a copy at memcpy
+speed). Only string contents change, and only to other valid string contents inside the same quotes,
+so the short body is valid JSON exactly when the body is. Anything unusual takes `json.loads(body)`
+itself, so an invalid body raises json's own error with its own message: a body that is not UTF-8, a
+marker used as an object key, a failed short parse, or more lexing work than `MAX_STRINGS` strings
+or backslash runs over `MAX_BACKSLASH_RUN` (hostile bodies cost no more than `json.loads` would).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+import pybase64
+
+FAST_BODY_BYTES = 64 * 1024
+"""Bodies below this go straight to `json.loads` (nothing long enough to gain on)."""
+LONG_STRING_BYTES = 16 * 1024
+"""Strings at least this long (in bytes between the quotes) are candidates."""
+MAX_STRINGS = 4096
+"""Strings the lexer walks before it gives up on a body (a Python loop per string)."""
+MAX_BACKSLASH_RUN = 64
+"""Longest run of backslashes before a quote the lexer counts (a Python loop per backslash)."""
+
+
+def loads_body(body: bytes | bytearray | str) -> Any:
+    """`json.loads(body)`, faster on bodies that carry long base64 strings (see the module docstring)."""
+    if not isinstance(body, (bytes, bytearray)) or len(body) < FAST_BODY_BYTES:
+        return json.loads(body)
+    if json.detect_encoding(body) != "utf-8":
+        return json.loads(body)
+    spans = _long_base64_strings(body)
+    if not spans:
+        return json.loads(body)
+    nonce = secrets.token_hex(8)
+    markers: dict[str, tuple[int, int]] = {}
+    pieces: list[bytes] = []
+    view = memoryview(body)
+    last = 0
+    for i, (start, end) in enumerate(spans):
+        pieces += [view[last:start].tobytes(), f"\\u0000bridge-json:{nonce}:{i}".encode()]
+        markers[f"\x00bridge-json:{nonce}:{i}"] = (start, end)
+        last = end
+    pieces.append(view[last:].tobytes())
+    try:
+        data = json.loads(b"".join(pieces))
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return json.loads(body)
+    restored = _restore(data, markers, view)
+    return json.loads(body) if restored is _GIVE_UP else restored
+
+
+def _long_base64_strings(body: bytes | bytearray) -> list[tuple[int, int]]:
+    """(start, end) of the contents of the body's long strict-base64 strings; [] to give up."""
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for _ in range(MAX_STRINGS):
+        start = body.find(b'"', pos) + 1
+        if start == 0:
+            return spans
+        end = start
+        while True:  # the first quote not escaped by an odd run of backslashes
+            end = body.find(b'"', end)
+            if end < 0:
+                return []  # unterminated: json.loads says so
+            run = 0
+            while end - run - 1 >= start and body[end - run - 1] == 0x5C:
+                run += 1
+                if run > MAX_BACKSLASH_RUN:
+                    return []
+            if run % 2 == 0:
+                break
+            end += 1
+        if end - start >= LONG_STRING_BYTES and _is_strict_base64(body, start, end):
+            spans.append((start, end))
+        pos = end + 1
+    return []
+
+
+def _is_strict_base64(body: bytes | bytearray, start: int, end: int) -> bool:
+    try:
+        pybase64.b64decode(memoryview(body)[start:end], validate=True)
+    except ValueError:  # binascii.Error is a ValueError
+        return False
+    return True
+
+
+_GIVE_UP = object()
+
+
+def _restore(data: Any, markers: dict[str, tuple[int, int]], view: memoryview) -> Any:
+    """`data` with every marker value replaced by its string; `_GIVE_UP` when a marker is an object key.
+    A marker that is gone (a duplicate key's earlier value) is gone from `json.loads(body)` too."""
+
+    def text(marker: str) -> str:
+        start, end = markers[marker]
+        return str(view[start:end], "ascii")
+
+    if isinstance(data, str):
+        return text(data) if data in markers else data
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in list(items):
+            if isinstance(key, str) and key in markers:
+                return _GIVE_UP
+            if isinstance(value, str):
+                if value in markers:
+                    node[key] = text(value)
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+    return data
+
+
+__all__ = ["FAST_BODY_BYTES", "LONG_STRING_BYTES", "loads_body"]

@@ -1,0 +1,135 @@
+"""`loads_body` equals `json.loads` on every body: values, exception types and messages.
+
+Hand-made cases for each path (a long base64 value, a list of them, one as a key, escapes next to
+one, broken bodies of every kind, other encodings), then Hypothesis: random JSON values with long
+base64 strings in random places, and byte-level damage to such bodies.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bridge.serve import json_body
+from bridge.serve.json_body import FAST_BODY_BYTES, LONG_STRING_BYTES, loads_body
+
+B64 = base64.b64encode(random.Random(0).randbytes(3 * 30_000)).decode()  # 120,000 characters, strict base64
+
+
+def outcome(fn, body):
+    """("ok", value) or ("error", exception type, message)."""
+    try:
+        return ("ok", fn(body))
+    except Exception as exc:  # noqa: BLE001 - the comparison is the point
+        return ("error", type(exc), str(exc))
+
+
+def same(body: bytes) -> None:
+    assert outcome(loads_body, body) == outcome(json.loads, body)
+
+
+def test_a_prompt_embeds_body_takes_the_fast_path_and_equals_json(monkeypatch):
+    body = json.dumps({"model": "m", "prompt_embeds": B64, "max_tokens": 2, "stream": True}).encode()
+    scanned = []
+    original = json_body._restore
+    monkeypatch.setattr(json_body, "_restore", lambda *a: scanned.append(1) or original(*a))
+    assert loads_body(body) == json.loads(body)
+    assert scanned == [1]  # the short body was parsed and the string put back
+
+
+@pytest.mark.parametrize("value", [
+    {"prompt_embeds": [B64, B64[:-4], B64]},                              # a list of payloads
+    {"a": "x\\\"y", "prompt_embeds": B64, "b": "\\\\", "c": "\"" + B64},  # escapes around it
+    {"prompt_embeds": B64, "prompt_embeds ": B64, "n": [1, 2.5, None, True, {"d": [B64]}]},
+    {"prompt_embeds": B64, "prompt_embeds": "x"},                          # noqa: F601 - duplicate key
+    [B64, {"k": B64}],
+    B64,                                                                   # a top-level string
+    {"text": "A" * (LONG_STRING_BYTES + 1) + "!", "prompt_embeds": B64},  # long, but not base64
+    {"prompt_embeds": B64 + "="},                                          # bad padding: not fast-pathed
+    {"é": "ünïcode", "prompt_embeds": B64, "emoji": "\U0001f600"},
+])
+def test_values_equal_json(value):
+    for ensure_ascii in (True, False):
+        same(json.dumps(value, ensure_ascii=ensure_ascii).encode())
+    same(json.dumps(value, indent=1).encode())
+
+
+def test_a_long_string_as_a_key_gives_json_loads_the_body():
+    same(json.dumps({B64: 1, "prompt_embeds": B64}).encode())
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt_embeds": "' + B64.encode(),                            # unterminated string
+    b'{"prompt_embeds": "' + B64.encode() + b'"',                     # unterminated object
+    b'{"prompt_embeds": "' + B64.encode() + b'" "x": 1}',             # missing comma
+    b'{"prompt_embeds": 1"' + B64.encode() + b'"}',                   # a string where it cannot be
+    b'{"a": "\xff\xfe", "prompt_embeds": "' + B64.encode() + b'"}',   # bad UTF-8
+    b'{"a": "\x01", "prompt_embeds": "' + B64.encode() + b'"}',       # a raw control character
+    b'{"prompt_embeds": "' + B64[:5000].encode() + b'\x01' + B64[5000:].encode() + b'"}',
+    b'{"prompt_embeds": "' + B64.encode() + b'"}' + b' x',            # trailing data
+    b'\xef\xbb\xbf{"prompt_embeds": "' + B64.encode() + b'"}',        # UTF-8 BOM (json.loads takes it)
+    json.dumps({"prompt_embeds": B64}).encode("utf-16"),               # UTF-16 (json.loads detects it)
+    b'[' * 100_000 + b'"' + B64.encode() + b'"' + b']' * 100_000,      # deeper than json.loads goes
+    b'{"a": "' + b'\\' * 1000 + b'", "prompt_embeds": "' + B64.encode() + b'"}',  # long backslash run
+    b'["x",' * 5000 + b'"' + B64.encode() + b'"' + b']' * 5000,        # more strings than the lexer walks
+
+], ids=["unterminated-string", "unterminated-object", "missing-comma", "misplaced-string", "bad-utf8",
+        "control-char", "control-char-in-payload", "trailing-data", "utf8-bom", "utf16", "too-deep",
+        "backslash-run", "many-strings"])
+def test_broken_and_unusual_bodies_fail_or_parse_exactly_as_json(body):
+    assert len(body) >= FAST_BODY_BYTES
+    same(body)
+
+
+def test_a_client_cannot_forge_a_marker():
+    forged = "\x00bridge-json:0000000000000000:0"
+    value = {"prompt_embeds": B64, "forged": forged, forged: 1}
+    assert loads_body(json.dumps(value).encode()) == value
+
+
+def test_strings_and_small_bodies_go_to_json_loads_unchanged():
+    same(json.dumps({"prompt_embeds": B64}))  # a str body
+    same(b'{"prompt": "hi"}')
+    same(b"")
+
+
+base64_strings = st.integers(LONG_STRING_BYTES // 4, LONG_STRING_BYTES // 2).map(
+    lambda n: B64[: 4 * n])
+leaves = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+                   st.text(max_size=20), base64_strings)
+values = st.recursive(leaves, lambda children: st.one_of(
+    st.lists(children, max_size=4), st.dictionaries(st.text(max_size=8), children, max_size=4)),
+    max_leaves=12)
+# every body long enough for the fast path: the random value beside a 120,000-character payload
+bodies = st.tuples(values, st.booleans(), st.booleans()).map(
+    lambda t: {"prompt_embeds": B64, "value": t[0]} if t[1] else [t[0], B64])
+SETTINGS = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@SETTINGS
+@given(bodies, st.booleans())
+def test_random_values_equal_json(value, ensure_ascii):
+    same(json.dumps(value, ensure_ascii=ensure_ascii).encode())
+
+
+@SETTINGS
+@given(bodies, st.data())
+def test_damaged_bodies_fail_or_parse_exactly_as_json(value, data):
+    body = bytearray(json.dumps(value).encode())
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(body) - 1))
+        op = data.draw(st.sampled_from(["set", "delete", "insert"]))
+        byte = data.draw(st.sampled_from(b'"\\{}[],:\x00\x01 aA=/+\xff'))
+        if op == "set":
+            body[at] = byte
+        elif op == "delete":
+            del body[at]
+        else:
+            body.insert(at, byte)
+    same(bytes(body))
