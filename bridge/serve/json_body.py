@@ -13,8 +13,8 @@ what is left with `json.loads`, and puts the strings back (`str(buffer, "ascii")
 speed). Only string contents change, and only to other valid string contents inside the same quotes,
 so the short body is valid JSON exactly when the body is. Anything unusual takes `json.loads(body)`
 itself, so an invalid body raises json's own error with its own message: a body that is not UTF-8, a
-marker used as an object key, a failed short parse, or more lexing work than `MAX_STRINGS` strings
-or backslash runs over `MAX_BACKSLASH_RUN` (hostile bodies cost no more than `json.loads` would).
+marker used as an object key, a failed short parse, or more quotes and backslashes than `LEXER_BUDGET`
+(so a hostile body costs about what `json.loads` would).
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ FAST_BODY_BYTES = 64 * 1024
 """Bodies below this go straight to `json.loads` (nothing long enough to gain on)."""
 LONG_STRING_BYTES = 16 * 1024
 """Strings at least this long (in bytes between the quotes) are candidates."""
-MAX_STRINGS = 4096
-"""Strings the lexer walks before it gives up on a body (a Python loop per string)."""
-MAX_BACKSLASH_RUN = 64
-"""Longest run of backslashes before a quote the lexer counts (a Python loop per backslash)."""
+LEXER_BUDGET = 1024
+"""Quotes and backslashes the lexer may look at in one body (a Python loop step each) before it gives
+the body to `json.loads`."""
 
 
 def loads_body(body: bytes | bytearray | str) -> Any:
@@ -63,30 +62,36 @@ def loads_body(body: bytes | bytearray | str) -> Any:
 
 
 def _long_base64_strings(body: bytes | bytearray) -> list[tuple[int, int]]:
-    """(start, end) of the contents of the body's long strict-base64 strings; [] to give up."""
+    """(start, end) of the contents of the body's long strict-base64 strings; [] to give up.
+
+    Each quote looked at and each backslash counted spends one unit of `LEXER_BUDGET`: a body of many
+    short strings, escaped quotes or backslashes gives up early instead of costing a Python loop per
+    byte (json.loads reads such a body at C speed)."""
     spans: list[tuple[int, int]] = []
+    budget = LEXER_BUDGET
     pos = 0
-    for _ in range(MAX_STRINGS):
+    while True:
         start = body.find(b'"', pos) + 1
         if start == 0:
             return spans
         end = start
         while True:  # the first quote not escaped by an odd run of backslashes
             end = body.find(b'"', end)
-            if end < 0:
-                return []  # unterminated: json.loads says so
+            budget -= 1
+            if end < 0 or budget < 0:
+                return []  # unterminated (json.loads says so), or too much work
             run = 0
-            while end - run - 1 >= start and body[end - run - 1] == 0x5C:
+            while run <= budget and end - run - 1 >= start and body[end - run - 1] == 0x5C:
                 run += 1
-                if run > MAX_BACKSLASH_RUN:
-                    return []
+            budget -= run
+            if budget < 0:
+                return []
             if run % 2 == 0:
                 break
             end += 1
         if end - start >= LONG_STRING_BYTES and _is_strict_base64(body, start, end):
             spans.append((start, end))
         pos = end + 1
-    return []
 
 
 def _is_strict_base64(body: bytes | bytearray, start: int, end: int) -> bool:

@@ -77,10 +77,12 @@ def test_a_long_string_as_a_key_gives_json_loads_the_body():
     b'[' * 100_000 + b'"' + B64.encode() + b'"' + b']' * 100_000,      # deeper than json.loads goes
     b'{"a": "' + b'\\' * 1000 + b'", "prompt_embeds": "' + B64.encode() + b'"}',  # long backslash run
     b'["x",' * 5000 + b'"' + B64.encode() + b'"' + b']' * 5000,        # more strings than the lexer walks
+    b'{"a": "' + b'\\"' * 50_000 + b'", "prompt_embeds": "' + B64.encode() + b'"}',  # escaped quotes
+    b'{"a": "' + b'\\' * 200_000 + b'", "prompt_embeds": "' + B64.encode() + b'"}',  # a backslash run
 
 ], ids=["unterminated-string", "unterminated-object", "missing-comma", "misplaced-string", "bad-utf8",
         "control-char", "control-char-in-payload", "trailing-data", "utf8-bom", "utf16", "too-deep",
-        "backslash-run", "many-strings"])
+        "backslash-run", "many-strings", "escaped-quotes", "long-backslash-run"])
 def test_broken_and_unusual_bodies_fail_or_parse_exactly_as_json(body):
     assert len(body) >= FAST_BODY_BYTES
     same(body)
@@ -90,6 +92,15 @@ def test_a_client_cannot_forge_a_marker():
     forged = "\x00bridge-json:0000000000000000:0"
     value = {"prompt_embeds": B64, "forged": forged, forged: 1}
     assert loads_body(json.dumps(value).encode()) == value
+
+
+@pytest.mark.parametrize("body", [
+    b'["x",' * 9000 + b'"' + B64.encode() + b'"' + b']' * 9000,
+    b'{"a": "' + b'\\"' * 50_000 + b'", "prompt_embeds": "' + B64.encode() + b'"}',
+    b'{"a": "' + b'\\' * 200_000 + b'", "prompt_embeds": "' + B64.encode() + b'"}',
+], ids=["many-strings", "escaped-quotes", "long-backslash-run"])
+def test_the_lexer_gives_up_on_bodies_that_would_cost_a_python_step_per_byte(body):
+    assert json_body._long_base64_strings(body) == []
 
 
 def test_strings_and_small_bodies_go_to_json_loads_unchanged():
