@@ -146,3 +146,22 @@ def test_close_pool_ends_the_manager_thread_before_returning(started):
     close_pool(pool)
     assert not manager.is_alive()
     assert not any(worker.is_alive() for worker in workers)
+
+
+def test_ingest_request_body_is_the_received_chunk_not_a_copy():
+    """One chunk (what the guards middleware hands on) is the body itself; several are joined."""
+    from bridge.serve.ingest import IngestRequest
+
+    def request(chunks: list[bytes]) -> IngestRequest:
+        messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                    for i, c in enumerate(chunks)]
+
+        async def receive():
+            return messages.pop(0)
+
+        return IngestRequest({"type": "http", "method": "POST", "headers": []}, receive)
+
+    chunk = b'{"prompt": "' + b"x" * 100_000 + b'"}'
+    assert asyncio.run(request([chunk]).body()) is chunk
+    assert asyncio.run(request([chunk[:10], chunk[10:]]).body()) == chunk
+    assert asyncio.run(request([b""]).body()) == b""
