@@ -201,3 +201,24 @@ def test_engine_with_kernels_built_ahead_captures_without_building_and_matches_e
     assert phases.get("mixed_graphs", [0, 0])[1] == 0, phases
     assert res["replays"] > 0
     assert res["graphed"] == res["eager"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's case")
+def test_build_startup_kernels_is_off_under_the_interpreter_and_leaves_the_runner_as_it_was(tiny_model_root):
+    """Where build-ahead cannot run (here: TRITON_INTERPRET), the pass reports False and puts back what
+    it borrowed: the KV cache, the step counter, the graph buffers."""
+    from bridge.tiny_models import build_tiny_model
+    from runner.llm import LLM
+    from runner.worker.kernel_builds_ahead import build_startup_kernels
+
+    path = build_tiny_model(tiny_model_root / "build_ahead_off_qwen3", "qwen3", seed=5)
+    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=32, max_num_seqs=4,
+              max_num_batched_tokens=64)
+    runner = llm.runner
+    runner.kernel_build_threads = 4
+    caches, steps = runner.kv_caches, runner.num_forward_steps
+    assert build_startup_kernels(runner, graphs=True) is False
+    assert runner.kv_caches is caches and runner.num_forward_steps == steps
+    assert runner.decode_graphs.logits is None and not runner.decode_graphs.graphs
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) > 0
