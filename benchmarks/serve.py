@@ -143,19 +143,55 @@ def request_bodies(payloads: list[str], output_lens: list[int]) -> list[bytes]:
             for payload, out_len in zip(payloads, output_lens)]
 
 
+class _Streams:
+    """What both client loops share: the queue of bodies, and per request its time to first token, its
+    inter-token latency and its (sent, first, last) times, read from the SSE events."""
+
+    def __init__(self, bodies: list[bytes]) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        for item in enumerate(bodies):
+            self.queue.put_nowait(item)
+        self.ttft, self.itl, self.tokens, self.times = [], [], [0] * len(bodies), []
+
+    def event(self, i: int, line: str | bytes, first: float | None, last: float | None) -> tuple:
+        """One SSE line or event of request `i`; returns its (first, last) chunk times so far."""
+        data = line[6:] if line[:6] in ("data: ", b"data: ") else None
+        if data is None or data in ("[DONE]", b"[DONE]"):
+            return first, last
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            self.tokens[i] = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices"):
+            last = time.monotonic()
+            first = first or last
+        return first, last
+
+    def done(self, i: int, sent: float, first: float, last: float) -> None:
+        self.ttft.append(first - sent)
+        self.times.append((sent, first, last))
+        if self.tokens[i] > 1:
+            self.itl.append((last - first) / (self.tokens[i] - 1))
+
+    async def run(self, workers: list, start_at: float) -> dict:
+        """The workers, started together at `start_at`, timed from their start to the last one's end."""
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        began = time.monotonic()  # start_at, or later if this process got its share late
+        await asyncio.gather(*workers)
+        ended = time.monotonic()
+        return {"ttft": self.ttft, "itl": self.itl, "tokens": sum(self.tokens), "began": began,
+                "ended": ended, "times": self.times}
+
+
 async def _client_loop(url: str, bodies: list[bytes], clients: int, start_at: float) -> dict:
     """`clients` streams in this process, each sending its next body as soon as its last one ended."""
     import httpx
 
-    queue: asyncio.Queue = asyncio.Queue()
-    for item in enumerate(bodies):
-        queue.put_nowait(item)
-    ttft, itl, tokens, times = [], [], [0] * len(bodies), []
+    streams = _Streams(bodies)
     headers = {"content-type": "application/json"}
 
     async def worker(http: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            i, body = queue.get_nowait()
+        while not streams.queue.empty():
+            i, body = streams.queue.get_nowait()
             sent = time.monotonic()
             first = last = None
             async with http.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
@@ -163,26 +199,12 @@ async def _client_loop(url: str, bodies: list[bytes], clients: int, start_at: fl
                     body = (await resp.aread()).decode(errors="replace")
                     raise RuntimeError(f"HTTP {resp.status_code} from the server: {body[:1000]}")
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        tokens[i] = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices"):
-                        last = time.monotonic()
-                        first = first or last
-            ttft.append(first - sent)
-            times.append((sent, first, last))
-            if tokens[i] > 1:
-                itl.append((last - first) / (tokens[i] - 1))
+                    first, last = streams.event(i, line, first, last)
+            streams.done(i, sent, first, last)
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-        began = time.monotonic()  # start_at, or later if this process got its share late
-        await asyncio.gather(*(worker(http) for _ in range(clients)))
-        ended = time.monotonic()
-    return {"ttft": ttft, "itl": itl, "tokens": sum(tokens), "began": began, "ended": ended, "times": times}
+        return await streams.run([worker(http) for _ in range(clients)], start_at)
 
 
 async def _raw_client_loop(url: str, bodies: list[bytes], clients: int, start_at: float) -> dict:
@@ -192,10 +214,7 @@ async def _raw_client_loop(url: str, bodies: list[bytes], clients: int, start_at
     against 1.6 ms this way (CPU server, 16 tokens each): on a 16-core host, 64 httpx clients burn as
     much CPU as the 8 API processes they are measuring."""
     host, _, port = url.removeprefix("http://").partition(":")
-    queue: asyncio.Queue = asyncio.Queue()
-    for item in enumerate(bodies):
-        queue.put_nowait(item)
-    ttft, itl, tokens, times = [], [], [0] * len(bodies), []
+    streams = _Streams(bodies)
 
     async def response(reader: asyncio.StreamReader, i: int) -> tuple[float | None, float | None]:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -218,20 +237,13 @@ async def _raw_client_loop(url: str, bodies: list[bytes], clients: int, start_at
             pending += data[:-2]
             *events, pending = pending.split(b"\n\n")
             for event in events:
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                chunk = json.loads(event[6:])
-                if chunk.get("usage"):
-                    tokens[i] = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices"):
-                    last = time.monotonic()
-                    first = first or last
+                first, last = streams.event(i, event, first, last)
 
     async def worker() -> None:
         reader = writer = None
         try:
-            while not queue.empty():
-                i, body = queue.get_nowait()
+            while not streams.queue.empty():
+                i, body = streams.queue.get_nowait()
                 if writer is None:
                     reader, writer = await asyncio.open_connection(host, int(port))
                 sent = time.monotonic()
@@ -241,19 +253,12 @@ async def _raw_client_loop(url: str, bodies: list[bytes], clients: int, start_at
                 writer.write(body)
                 await writer.drain()
                 first, last = await response(reader, i)
-                ttft.append(first - sent)
-                times.append((sent, first, last))
-                if tokens[i] > 1:
-                    itl.append((last - first) / (tokens[i] - 1))
+                streams.done(i, sent, first, last)
         finally:
             if writer is not None:
                 writer.close()
 
-    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-    began = time.monotonic()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    ended = time.monotonic()
-    return {"ttft": ttft, "itl": itl, "tokens": sum(tokens), "began": began, "ended": ended, "times": times}
+    return await streams.run([worker() for _ in range(clients)], start_at)
 
 
 HTTP_CLIENTS = {"httpx": _client_loop, "raw": _raw_client_loop}

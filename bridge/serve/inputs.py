@@ -2,8 +2,8 @@
 
 Prompt-embeds payloads are decoded here, with `bridge.load_prompt_embeds` (weights-only loading,
 the archive inspected and sparse tensors' declared size checked before anything is densified) in
-a worker thread so that a large payload never stalls the event loop; the decode time goes to
-`/metrics`. Every problem is an `ApiError(400)` naming the field.
+the event loop (see `decode_embeds` for why not a thread); the decode time goes to `/metrics`.
+Every problem is an `ApiError(400)` naming the field.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def samples_params(body: CompletionRequest | ChatCompletionRequest, *, max_token
 
 
 def decode_embeds(payload: str, *, where: str, hidden_size: int, max_model_len: int,
-                        limits: ServeLimits, metrics: ServeMetrics) -> torch.Tensor:
+                  limits: ServeLimits, metrics: ServeMetrics) -> torch.Tensor:
     """One base64 `torch.save` payload -> a `(n, hidden)` CPU tensor, or a 400 naming `where`."""
     if not limits.enable_prompt_embeds:
         raise ApiError(400, EMBEDS_FLAG_MESSAGE, param=where)
