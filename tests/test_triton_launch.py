@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from runner.layers import triton_launch
-from runner.layers.triton_launch import build_ahead, build_threads_from_env, building_ahead, launch
+from runner.layers.triton_launch import build_ahead, build_threads_from_env, launch
 
 
 class _Kernel:
@@ -34,14 +34,14 @@ def test_launch_is_the_plain_launch_outside_build_ahead():
     kernel = _Kernel()
     launch(kernel, (3,))(1, 2, BLOCK=4)
     assert kernel.calls == [("launch", (3,), (1, 2), {"BLOCK": 4})]
-    assert not building_ahead()
+    assert not triton_launch._BUILD_ONLY.get()
 
 
 def test_build_ahead_stays_off_where_it_cannot_help(monkeypatch):
     kernel = _Kernel()
     for threads in (0, 1):
         with build_ahead(threads) as on:
-            assert on is False and not building_ahead()
+            assert on is False and not triton_launch._BUILD_ONLY.get()
             launch(kernel, (1,))(7)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with build_ahead(4) as on:
@@ -124,7 +124,8 @@ _CHILD = textwrap.dedent("""
     # kernel's cache, so nothing more is built: the keys are the ones a launch looks up.
     runner.decode_graphs.allocate(decode_sizes, runner.vocab_size, 4, runner.device)
     token = triton_launch._BUILD_ONLY.set(True)
-    runner.execute(memory_profile.largest_step(runner, memory_profile.largest_step_lens(runner)))
+    with memory_profile.largest_step_on_scratch_cache(runner) as largest_step:
+        runner.execute(largest_step())
     for tokens in mixed_sizes:
         mixed_graph_body(runner, tokens)()
     for b in decode_sizes:
@@ -135,18 +136,23 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+def _child_result(script: str, model_dir, env: dict, tmp_path) -> dict:
+    """Run `script` on `model_dir` in a child process with an empty Triton cache; its RESULT line's JSON."""
+    env = {**env, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": os.getcwd()}
+    proc = subprocess.run([sys.executable, "-c", script, str(model_dir)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"child failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def test_start_up_kernels_build_side_by_side_and_fill_the_launch_caches(tiny_model_root, tmp_path):
     from bridge.tiny_models import build_tiny_model
 
     path = build_tiny_model(tiny_model_root / "build_ahead_qwen3", "qwen3", seed=5, head_dim=32)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=os.getcwd())
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"child failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = _child_result(_CHILD, path, env, tmp_path)
     assert res["on"] is True
     # decode and prefill attention, the fused q/k/v + norm + rotary + KV write, gate/up + SiLU, ...
     assert len(res["ahead"]) >= 4, res
@@ -186,14 +192,7 @@ def test_engine_with_kernels_built_ahead_captures_without_building_and_matches_e
     from bridge.tiny_models import build_tiny_model
 
     path = build_tiny_model(tiny_model_root / "build_ahead_gpu_qwen3", "qwen3", seed=5, head_dim=32)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": os.getcwd(),
-           triton_launch.BUILD_THREADS_ENV: "4"}
-    proc = subprocess.run([sys.executable, "-c", _GPU_CHILD, str(path)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"child failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = _child_result(_GPU_CHILD, path, {**os.environ, triton_launch.BUILD_THREADS_ENV: "4"}, tmp_path)
     phases = res["phases"]
     assert phases["kernel_builds"][1] > 0, phases
     # the profile step and the captures met only kernels built ahead

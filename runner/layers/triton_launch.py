@@ -44,12 +44,6 @@ def launch(kernel: Any, grid: Any) -> Callable[..., Any]:
     return kernel[grid]
 
 
-def building_ahead() -> bool:
-    """Whether launches in this context only build (code that reads a kernel's output on the host
-    may skip that read)."""
-    return _BUILD_ONLY.get()
-
-
 def build_threads_from_env() -> int:
     """The thread count `BRIDGE_KERNEL_BUILD_THREADS` asks for (0: off)."""
     raw = os.environ.get(BUILD_THREADS_ENV, "0").strip().lower()
@@ -98,4 +92,4 @@ def _async_compile_mode() -> type | None:
     return AsyncCompileMode
 
 
-__all__ = ["BUILD_THREADS_ENV", "build_ahead", "build_threads_from_env", "building_ahead", "launch"]
+__all__ = ["BUILD_THREADS_ENV", "build_ahead", "build_threads_from_env", "launch"]

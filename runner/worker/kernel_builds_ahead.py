@@ -17,6 +17,7 @@ logged and start-up goes on as without it: the real runs build whatever is missi
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,11 +25,11 @@ import torch
 from runner.config import MAX_DECODE_WINDOW
 from runner.layers.triton_launch import build_ahead
 from runner.worker.cuda_graphs import mixed_graph_token_sizes
-from runner.worker.kv_cache import allocate_kv_caches
-from runner.worker.memory_profile import blocks_for, largest_step, largest_step_lens
+from runner.worker.memory_profile import largest_step_on_scratch_cache
 from runner.worker.step_graphs import decode_graph_body, decode_graph_sizes, mixed_graph_body
 
 if TYPE_CHECKING:  # type hints only: the runner calls this module, not the other way round
+    from runner.engine.step_io import SchedulerOutput
     from runner.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -38,35 +39,36 @@ logger = logging.getLogger(__name__)
 def build_startup_kernels(runner: ModelRunner, *, graphs: bool) -> bool:
     """Build the kernels of the profile step and (with `graphs`) of every graph bucket's body at once, on
     `runner.kernel_build_threads` threads. Returns whether the pass ran to its end."""
-    lens = largest_step_lens(runner)
-    decode_sizes = decode_graph_sizes(runner) if graphs else []
-    mixed_sizes = mixed_graph_token_sizes(runner.mixed_graph_max_tokens) if graphs else []
-    saved_caches, saved_steps = runner.kv_caches, runner.num_forward_steps
-    done = False
     try:
-        runner.kv_caches = allocate_kv_caches(runner.kv_spec, blocks_for(runner, lens), runner.device)
-        if decode_sizes:  # the graph bodies' output buffers (the capture allocates its own)
-            runner.decode_graphs.allocate(decode_sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device)
-        with build_ahead(runner.kernel_build_threads) as on:
+        with largest_step_on_scratch_cache(runner) as largest_step, \
+                build_ahead(runner.kernel_build_threads) as on:
             if on:
-                runner.execute(largest_step(runner, lens))
-                for tokens in reversed(mixed_sizes):
-                    mixed_graph_body(runner, tokens)()
-                for b in reversed(decode_sizes):
-                    decode_graph_body(runner, b)()
-        done = on
+                _run_startup_steps(runner, largest_step, graphs)
+        return on
     except Exception as exc:  # noqa: BLE001 - an optimisation: the real runs build what is missing
         logger.warning("building start-up kernels ahead failed (%s: %s); they are built as they are met",
                        type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        return False
     finally:
-        runner.kv_caches = saved_caches
-        runner.num_forward_steps = saved_steps
-        runner.num_blocks_known[:] = 0
         runner.decode_graphs.release()
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-    return done
+
+
+def _run_startup_steps(runner: ModelRunner, largest_step: Callable[[], SchedulerOutput],
+                       graphs: bool) -> None:
+    """The profile's step, then every mixed-step and decode graph body (on temporary output buffers:
+    the capture allocates its own)."""
+    runner.execute(largest_step())
+    if not graphs:
+        return
+    decode_sizes = decode_graph_sizes(runner)
+    runner.decode_graphs.allocate(decode_sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device)
+    for tokens in reversed(mixed_graph_token_sizes(runner.mixed_graph_max_tokens)):
+        mixed_graph_body(runner, tokens)()
+    for b in reversed(decode_sizes):
+        decode_graph_body(runner, b)()
 
 
 __all__ = ["build_startup_kernels"]

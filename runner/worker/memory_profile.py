@@ -6,6 +6,8 @@ must be the real one of the engine's own step path, not an estimate.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,46 +32,47 @@ def profile_peak_memory(runner: ModelRunner, *, force: bool = False) -> int:
     """
     if runner.device.type != "cuda" and not force:
         return 0
-    lens = largest_step_lens(runner)
-    saved_caches, saved_steps = runner.kv_caches, runner.num_forward_steps
-    runner.kv_caches = allocate_kv_caches(runner.kv_spec, blocks_for(runner, lens), runner.device)
     cuda = runner.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(runner.device)
-    base = torch.cuda.memory_allocated(runner.device) if cuda else 0
-    runner.execute(largest_step(runner, lens))
-    worst = torch.zeros(runner.max_num_seqs, runner.vocab_size, dtype=torch.float32, device=runner.device)
-    worst = torch.softmax(worst, dim=-1).sort(dim=-1)
-    del worst
-    peak = 0
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(runner.device) - base
-    runner.kv_caches = saved_caches
-    runner.num_blocks_known[:] = 0
-    runner.num_forward_steps = saved_steps
+    with largest_step_on_scratch_cache(runner) as largest_step:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(runner.device)
+        base = torch.cuda.memory_allocated(runner.device) if cuda else 0
+        runner.execute(largest_step())
+        worst = torch.zeros(runner.max_num_seqs, runner.vocab_size, dtype=torch.float32, device=runner.device)
+        worst = torch.softmax(worst, dim=-1).sort(dim=-1)
+        del worst
+        peak = 0
+        if cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated(runner.device) - base
     if cuda:
         torch.cuda.empty_cache()
     return int(peak)
 
 
-def largest_step_lens(runner: ModelRunner) -> list[int]:
-    """Prompt lengths of the largest step: `max_num_batched_tokens` tokens over as few requests as the
-    context allows."""
+@contextlib.contextmanager
+def largest_step_on_scratch_cache(runner: ModelRunner) -> Iterator[Callable[[], SchedulerOutput]]:
+    """The runner on a temporary KV cache just big enough for its largest step: `max_num_batched_tokens`
+    prompt tokens over as few requests as the context allows. Yields a maker of that step (new requests
+    each call); puts back the runner's KV cache, step counter and known block tables after."""
     lens: list[int] = []
     left = runner.max_num_batched_tokens
     while left > 0 and len(lens) < runner.max_num_seqs:
         lens.append(min(left, runner.max_model_len))
         left -= lens[-1]
-    return lens
+    saved_caches, saved_steps = runner.kv_caches, runner.num_forward_steps
+    runner.kv_caches = allocate_kv_caches(runner.kv_spec, sum(-(-n // runner.block_size) for n in lens),
+                                          runner.device)
+    try:
+        yield lambda: _largest_step(runner, lens)
+    finally:
+        runner.kv_caches = saved_caches
+        runner.num_blocks_known[:] = 0
+        runner.num_forward_steps = saved_steps
 
 
-def blocks_for(runner: ModelRunner, lens: list[int]) -> int:
-    return sum(-(-n // runner.block_size) for n in lens)
-
-
-def largest_step(runner: ModelRunner, lens: list[int]) -> SchedulerOutput:
+def _largest_step(runner: ModelRunner, lens: list[int]) -> SchedulerOutput:
     """One prefill step of requests of `lens` tokens, their blocks laid out in turn from block 0."""
     reqs: list[Request] = []
     next_block = 0
@@ -82,4 +85,4 @@ def largest_step(runner: ModelRunner, lens: list[int]) -> SchedulerOutput:
     return SchedulerOutput(reqs, lens, [True] * len(lens))
 
 
-__all__ = ["blocks_for", "largest_step", "largest_step_lens", "profile_peak_memory"]
+__all__ = ["largest_step_on_scratch_cache", "profile_peak_memory"]
