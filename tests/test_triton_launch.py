@@ -56,6 +56,8 @@ def test_build_ahead_stays_off_where_it_cannot_help(monkeypatch):
 
 def test_build_threads_from_the_environment(monkeypatch):
     monkeypatch.delenv(triton_launch.BUILD_THREADS_ENV, raising=False)
+    assert build_threads_from_env() == min(8, os.cpu_count() or 1)  # on by default
+    monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "0")
     assert build_threads_from_env() == 0
     monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "6")
     assert build_threads_from_env() == 6
@@ -63,6 +65,64 @@ def test_build_threads_from_the_environment(monkeypatch):
     assert build_threads_from_env() == min(8, os.cpu_count() or 1)
     monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "many")
     assert build_threads_from_env() == 0
+
+
+class _Param:
+    def __init__(self, is_constexpr: bool) -> None:
+        self.is_constexpr = is_constexpr
+
+
+def test_build_ahead_hands_each_specialisation_to_triton_once(monkeypatch):
+    """Triton files a build ahead only when the block ends, so a repeated launch (28 layers, every bucket)
+    would pay its whole key computation again: `launch` skips what the block already handed over. Its
+    key is finer than Triton's, never coarser: constexprs by value, other ints by width class, == 1 and
+    divisibility by 16, tensors by dtype and 16-byte alignment."""
+    import torch
+
+    kernel = _Kernel()
+    kernel.params = [_Param(False), _Param(False), _Param(True)]  # (x_ptr, n, BLOCK: constexpr)
+    monkeypatch.setattr(triton_launch, "_async_compile_mode", lambda: _NoAsync)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.zeros(64)
+    with build_ahead(2) as on:
+        assert on
+        for n in (32, 48, 64, 32):  # one class: not 1, divisible by 16
+            launch(kernel, (n,))(x, n, 128)
+        launch(kernel, (1,))(x, 1, 128)  # == 1: its own specialisation
+        launch(kernel, (1,))(x, 33, 128)  # not divisible by 16
+        launch(kernel, (1,))(x, 32, 64)  # another constexpr value
+        launch(kernel, (1,))(x[1:], 32, 128)  # a misaligned pointer
+        launch(kernel, (1,))(x.half(), 32, 128)  # another dtype
+        launch(kernel, (1,))(x, 32, 128, num_warps=8)  # another launch option
+        launch(kernel, (1,))(x, 32, 128, num_warps=8)
+        launch(kernel, (1,))(x, 2**40, 128)  # a 64-bit int
+    builds = [(c[2][1:], c[3]) for c in kernel.calls if c[0] == "build"]
+    assert builds == [((32, 128), {}), ((1, 128), {}), ((33, 128), {}), ((32, 64), {}), ((32, 128), {}),
+                      ((32, 128), {}), ((32, 128), {"num_warps": 8}), ((2**40, 128), {})]
+    plain = _Kernel()  # parameters unknown: every argument by value
+    with build_ahead(2):
+        launch(plain, (1,))(x, 32)
+        launch(plain, (1,))(x, 48)
+        launch(plain, (1,))(x, 48)
+        launch(plain, (1,))(x, {"unhashable": 1})  # not describable: always handed to Triton
+        launch(plain, (1,))(x, {"unhashable": 1})
+    assert [c[2][1] for c in plain.calls] == [32, 48, {"unhashable": 1}, {"unhashable": 1}]
+    with build_ahead(2):  # a new block starts with nothing handed over
+        launch(plain, (1,))(x, 32)
+    assert len(plain.calls) == 5
+
+
+class _NoAsync:
+    """Stands in for Triton's AsyncCompileMode (its pool is not used by `_Kernel.warmup`)."""
+
+    def __init__(self, pool, ignore_errors=False) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 _CHILD = textwrap.dedent("""
@@ -123,7 +183,7 @@ _CHILD = textwrap.dedent("""
     # The same work again, building in place (no thread pool): every key is already in its
     # kernel's cache, so nothing more is built: the keys are the ones a launch looks up.
     runner.decode_graphs.allocate(decode_sizes, runner.vocab_size, 4, runner.device)
-    token = triton_launch._BUILD_ONLY.set(True)
+    token = triton_launch._BUILD_ONLY.set(set())
     with memory_profile.largest_step_on_scratch_cache(runner) as largest_step:
         runner.execute(largest_step())
     for tokens in mixed_sizes:

@@ -187,6 +187,45 @@ def test_gpu_upload_rows_packs_a_call_through_the_ring_and_checks_each_source():
 
 
 @pytest.mark.gpu
+def test_gpu_a_call_beyond_the_keep_budget_is_staged_in_batches():
+    """A call larger than the keep budget: its leading prompts that fit go up as one kept tensor, the
+    rest are checked on the device in chunks and stay host tensors (uploaded again when admitted); a
+    NaN in a checked-only chunk names its own prompt; the check chunks' memory is not held."""
+    from runner.engine import prompts as prompts_mod
+    from runner.engine.prompts import stage_embeds
+
+    class Parsed:
+        def __init__(self, embeds):
+            self.embeds = embeds
+
+    g = torch.Generator().manual_seed(3)
+    up = HostUploader(torch.device("cuda"), ring_bytes=1 << 16, keep_bytes=40 * 64 * 2)
+    calls = [Parsed(torch.randn(n, 64, generator=g)) for n in (10, 20, 15, 7, 30, 2)]
+    host = [p.embeds for p in calls]
+    old_chunk = prompts_mod.CHECK_CHUNK_BYTES
+    prompts_mod.CHECK_CHUNK_BYTES = 25 * 64 * 2  # the rest in chunks: [15, 7], [30], [2]
+    try:
+        checks = []
+        real = up.check_rows
+        up.check_rows = lambda srcs, dtype: checks.append([t.shape[0] for t in srcs]) or real(srcs, dtype)
+        stage_embeds(calls, torch.bfloat16, up, keep=True)
+        assert checks == [[15, 7], [30], [2]]
+        assert [p.embeds.is_cuda for p in calls] == [True, True, False, False, False, False]
+        for p, h in zip(calls, host):
+            want = h.to(torch.bfloat16) if p.embeds.is_cuda else h
+            assert torch.equal(p.embeds.cpu(), want)
+        assert up.kept_bytes == 30 * 64 * 2
+        bad = [Parsed(torch.randn(n, 64, generator=g)) for n in (10, 20, 15, 7, 30, 2)]
+        bad[4].embeds[29, 0] = float("nan")
+        with pytest.raises(ValueError, match="prompt 4: prompt_embeds contains NaN or Inf"):
+            stage_embeds(bad, torch.bfloat16, up, keep=True)
+        assert all(not p.embeds.is_cuda for p in bad)  # a refused call keeps its host tensors
+    finally:
+        prompts_mod.CHECK_CHUNK_BYTES = old_chunk
+
+
+
+@pytest.mark.gpu
 def test_gpu_cpu_tensor_embeds_match_device_embeds_and_ids(model_dir):
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (40, 7, 200)]  # context 256

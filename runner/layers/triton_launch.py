@@ -22,31 +22,76 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
-_BUILD_ONLY: ContextVar[bool] = ContextVar("bridge_triton_build_only", default=False)
+# Inside `build_ahead()`: the specialisations already handed to Triton in this block, by kernel (None
+# outside). Triton files a build in a kernel's in-memory cache only when the block ends, so without this
+# every later launch of the same specialisation would pay Triton's whole key computation again (about
+# 1 ms each: W1's start-up makes thousands of launches, and on a warm cache that was the pass's cost).
+_BUILD_ONLY: ContextVar[set | None] = ContextVar("bridge_triton_build_only", default=None)
 
-# Threads for start-up kernel builds: unset or "0" turns build-ahead off (every build in place, as
-# before); "auto" takes min(8, cores).
+# Threads for start-up kernel builds: "auto" (the default) takes min(8, cores); "0" or "1" turns
+# build-ahead off (every build in place, where a launch first meets it).
 BUILD_THREADS_ENV = "BRIDGE_KERNEL_BUILD_THREADS"
 
 
 def launch(kernel: Any, grid: Any) -> Callable[..., Any]:
     """`kernel[grid]`, or inside `build_ahead()` a call that builds the same specialisation and
     launches nothing."""
-    if _BUILD_ONLY.get():
-        return functools.partial(kernel.warmup, grid=grid)
-    return kernel[grid]
+    seen = _BUILD_ONLY.get()
+    if seen is None:
+        return kernel[grid]
+    return functools.partial(_build_once, seen, kernel, grid)
+
+
+def _build_once(seen: set, kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
+    """`kernel.warmup(...)` unless this block already handed Triton the same specialisation."""
+    try:
+        key = _launch_key(kernel, args, kwargs)
+    except TypeError:  # an argument this key cannot describe: let Triton decide
+        kernel.warmup(*args, grid=grid, **kwargs)
+        return
+    if key not in seen:
+        seen.add(key)
+        kernel.warmup(*args, grid=grid, **kwargs)
+
+
+def _launch_key(kernel: Any, args: tuple, kwargs: dict) -> Hashable:
+    """A key at least as fine as the specialisation Triton binds `args` and `kwargs` to: constexprs (and
+    every argument of a kernel whose parameters are unknown) by value; other ints by what Triton
+    specialises them on (width class, == 1, divisibility by 16); tensors by dtype and 16-byte alignment.
+    Finer is harmless (one more warm-up, answered from Triton's cache); coarser would skip a build, so
+    whatever it cannot describe raises TypeError."""
+    params = getattr(kernel, "params", None)
+    constexpr = [getattr(p, "is_constexpr", True) for p in params] if params else [True] * len(args)
+    if len(constexpr) < len(args):
+        constexpr += [True] * (len(args) - len(constexpr))
+    positional = tuple(_argument_key(a, exact) for a, exact in zip(args, constexpr))
+    named = tuple(sorted((k, _argument_key(v, True)) for k, v in kwargs.items()))
+    return (id(kernel), positional, named)
+
+
+def _argument_key(value: Any, exact: bool) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.data_ptr() % 16 == 0)
+    if isinstance(value, int) and not isinstance(value, bool) and not exact:
+        return ("int", value == 1, value % 16 == 0, -(2**31) <= value < 2**31, value < 2**63)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_argument_key(v, exact) for v in value))
+    hash(value)  # TypeError for the unhashable
+    return (type(value).__qualname__, value)
 
 
 def build_threads_from_env() -> int:
-    """The thread count `BRIDGE_KERNEL_BUILD_THREADS` asks for (0: off)."""
-    raw = os.environ.get(BUILD_THREADS_ENV, "0").strip().lower()
+    """The thread count `BRIDGE_KERNEL_BUILD_THREADS` asks for (unset: "auto"; 0 or 1: off)."""
+    raw = os.environ.get(BUILD_THREADS_ENV, "auto").strip().lower()
     if raw == "auto":
         return min(8, os.cpu_count() or 1)
     try:
@@ -66,7 +111,8 @@ def build_ahead(threads: int) -> Iterator[bool]:
     another build-ahead block is active in this context.
     """
     mode_cls = _async_compile_mode()
-    if threads < 2 or mode_cls is None or _BUILD_ONLY.get() or os.environ.get("TRITON_INTERPRET") == "1":
+    if threads < 2 or mode_cls is None or _BUILD_ONLY.get() is not None \
+            or os.environ.get("TRITON_INTERPRET") == "1":
         yield False
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="triton-build") as pool:
@@ -76,7 +122,7 @@ def build_ahead(threads: int) -> Iterator[bool]:
         except RuntimeError:  # another AsyncCompileMode is active (someone else's): leave it be
             yield False
             return
-        token = _BUILD_ONLY.set(True)
+        token = _BUILD_ONLY.set(set())
         try:
             yield True
         finally:

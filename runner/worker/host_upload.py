@@ -113,26 +113,41 @@ class HostUploader:
         views share the tensor's storage: it is freed when the last of them is.
         """
         consumer = torch.cuda.current_stream(self.device)
-        srcs = [s.detach().contiguous() for s in srcs]
-        hidden, src_dtype = srcs[0].shape[1], srcs[0].dtype
-        starts = [0, *itertools.accumulate(s.shape[0] for s in srcs)]  # row bounds; the last is the total
-        total = starts[-1]
-        self.num_uploads += len(srcs)
         with torch.cuda.stream(self._stream):
-            flat = torch.empty((total, hidden), dtype=src_dtype, device=self.device)
-            self._copy_many_in(srcs, flat)
-            lo, hi = torch.aminmax(flat, dim=1) if total else (flat.new_zeros(0), flat.new_zeros(0))
-            limit = limit_for(src_dtype, dtype)
-            row_bad = ~((lo >= -limit) & (hi <= limit))  # NaN propagates to both ends and fails
-            bad_before = torch.nn.functional.pad(row_bad.to(torch.int32).cumsum(0), (1, 0))
-            bounds = torch.tensor(starts, dtype=torch.int64).to(self.device, non_blocking=True)
-            ok = (bad_before[bounds[1:]] - bad_before[bounds[:-1]]) == 0  # no bad row in the span
-            out = flat if src_dtype == dtype else flat.to(dtype)
+            flat, ok, starts = self._rows_in(srcs, dtype)
+            out = flat if flat.dtype == dtype else flat.to(dtype)
             done = torch.cuda.Event()
             done.record(self._stream)
         consumer.wait_event(done)
         out.record_stream(consumer)
         return out, [out[a:b] for a, b in zip(starts[:-1], starts[1:])], ok
+
+    def check_rows(self, srcs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """`upload_rows`'s verdicts alone: the rows cross to the device and are checked there, and their
+        device copy is dropped on the copy stream (the caller's stream never sees it, so its memory is
+        free for the next upload at once). For prompts that will be uploaded again when admitted: a
+        device check costs one pass of `memcpy`, a check on the CPU several passes over the rows."""
+        with torch.cuda.stream(self._stream):
+            return self._rows_in(srcs, dtype)[1]
+
+    def _rows_in(self, srcs: list[torch.Tensor],
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """On the copy stream (the caller's context): the sources' rows back to back on the device in
+        their own dtype, a device bool per source (`fits_dtype` for `dtype`), and the row bounds."""
+        srcs = [s.detach().contiguous() for s in srcs]
+        hidden, src_dtype = srcs[0].shape[1], srcs[0].dtype
+        starts = [0, *itertools.accumulate(s.shape[0] for s in srcs)]  # row bounds; the last is the total
+        total = starts[-1]
+        self.num_uploads += len(srcs)
+        flat = torch.empty((total, hidden), dtype=src_dtype, device=self.device)
+        self._copy_many_in(srcs, flat)
+        lo, hi = torch.aminmax(flat, dim=1) if total else (flat.new_zeros(0), flat.new_zeros(0))
+        limit = limit_for(src_dtype, dtype)
+        row_bad = ~((lo >= -limit) & (hi <= limit))  # NaN propagates to both ends and fails
+        bad_before = torch.nn.functional.pad(row_bad.to(torch.int32).cumsum(0), (1, 0))
+        bounds = torch.tensor(starts, dtype=torch.int64).to(self.device, non_blocking=True)
+        ok = (bad_before[bounds[1:]] - bad_before[bounds[:-1]]) == 0  # no bad row in the span
+        return flat, ok, starts
 
     @property
     def pinned_bytes(self) -> int:
@@ -165,11 +180,11 @@ class HostUploader:
         with torch.cuda.stream(self._stream):
             return torch.stack(flags).cpu().tolist()
 
-    def read_flag_tensor(self, flags: torch.Tensor) -> list[bool]:
-        """Device bools made on the copy stream (`upload_rows`'s verdicts) as bools, waiting for that
-        stream only."""
-        with torch.cuda.stream(self._stream):
-            return flags.cpu().tolist()
+    def read_flag_tensor(self, flags: torch.Tensor | list[torch.Tensor]) -> list[bool]:
+        """Device bools made on the copy stream (`upload_rows`' or `check_rows`' verdicts; several are
+        read as one) as bools, waiting for that stream only."""
+        with torch.cuda.stream(self._stream):  # the concatenation too: behind the checks
+            return (torch.cat(flags) if isinstance(flags, list) else flags).cpu().tolist()
 
     # ----------------------------------------------------------------------------- the ring
     def _copy_many_in(self, srcs: list[torch.Tensor], dst: torch.Tensor) -> None:
