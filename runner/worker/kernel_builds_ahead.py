@@ -10,8 +10,9 @@ The torch ops in between run for real on scratch data (so cuBLAS has picked its 
 capture needs one warm-up, not two); the one thing the host reads back, the profile step's sampled
 ids (argmax of scratch logits, so valid ids), is dropped.
 
-`ModelRunner.kernel_build_threads` (from BRIDGE_KERNEL_BUILD_THREADS) turns it on; any failure is
-logged and start-up goes on as without it: the real runs build whatever is missing, as they always did.
+`ModelRunner.kernel_build_threads` (from BRIDGE_KERNEL_BUILD_THREADS: on by default, 0 turns it off) sets
+the threads; any failure is logged and start-up goes on as without it: the real runs build whatever is
+missing, as they always did.
 """
 
 from __future__ import annotations
