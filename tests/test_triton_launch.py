@@ -56,13 +56,15 @@ def test_build_ahead_stays_off_where_it_cannot_help(monkeypatch):
 
 def test_build_threads_from_the_environment(monkeypatch):
     monkeypatch.delenv(triton_launch.BUILD_THREADS_ENV, raising=False)
-    assert build_threads_from_env() == min(8, os.cpu_count() or 1)  # on by default
+    assert build_threads_from_env() == min(8, triton_launch.usable_cores())  # on by default
     monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "0")
     assert build_threads_from_env() == 0
     monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "6")
     assert build_threads_from_env() == 6
     monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "auto")
-    assert build_threads_from_env() == min(8, os.cpu_count() or 1)
+    assert build_threads_from_env() == min(8, triton_launch.usable_cores())
+    monkeypatch.setattr(triton_launch.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert build_threads_from_env() == 2  # the affinity mask, not the machine's core count
     monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "many")
     assert build_threads_from_env() == 0
 

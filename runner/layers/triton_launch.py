@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 # 1 ms each: W1's start-up makes thousands of launches, and on a warm cache that was the pass's cost).
 _BUILD_ONLY: ContextVar[set | None] = ContextVar("bridge_triton_build_only", default=None)
 
-# Threads for start-up kernel builds: "auto" (the default) takes min(8, cores); "0" or "1" turns
+# Threads for start-up kernel builds: "auto" (the default) takes min(8, usable_cores()); "0" or "1" turns
 # build-ahead off (every build in place, where a launch first meets it).
 BUILD_THREADS_ENV = "BRIDGE_KERNEL_BUILD_THREADS"
 
@@ -93,12 +93,21 @@ def build_threads_from_env() -> int:
     """The thread count `BRIDGE_KERNEL_BUILD_THREADS` asks for (unset: "auto"; 0 or 1: off)."""
     raw = os.environ.get(BUILD_THREADS_ENV, "auto").strip().lower()
     if raw == "auto":
-        return min(8, os.cpu_count() or 1)
+        return min(8, usable_cores())
     try:
         return max(0, int(raw))
     except ValueError:
         logger.warning("%s=%r is not an int or 'auto': kernel builds stay in place", BUILD_THREADS_ENV, raw)
         return 0
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one, e.g. under taskset or
+    a container's cpuset), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager
