@@ -15,7 +15,8 @@ W1: 64 requests of 512 prompt-embeds rows, 128 output tokens each, greedy, ignor
 W2: 256 requests, prompt and output lengths uniform in [100, 1024], prompt embeds, ignore_eos.
 
 Order of one run (the Bridge engine is the first thing built in the process):
-1. `LLM(...)` construction, timed (`construction_seconds`), then `llm.memory_report()` when the
+1. `LLM(...)` construction, timed (`construction_seconds`, with its Triton builds and how many of them
+   the on-disk cache answered: a warm machine constructs faster), then `llm.memory_report()` when the
    engine has it (printed and stored).
 2. The first generate on that engine: one 512-row prompt-embeds prompt from CPU tensors,
    max_tokens=1 (`first_generate_seconds`).
@@ -346,6 +347,11 @@ def bridge_phase(args, model_dir, device, dtype, specs, embeds_of, single_embeds
               enforce_eager=args.enforce_eager, decode_window=args.decode_window,
               async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling])
     results["construction_seconds"] = results["bridge_init_seconds"] = time.perf_counter() - t0
+    # How cold the construction was: a Triton cache filled by an earlier process makes it look fast.
+    compiles = getattr(llm, "kernel_compiles", None)
+    if compiles is not None:
+        results["construction_triton_builds"] = compiles.count
+        results["construction_triton_disk_cache_hits"] = compiles.disk_cache_hits
     log(f"  constructed in {results['construction_seconds']:.2f}s, {llm.num_total_blocks} KV blocks")
     results["memory_report"] = memory_report(llm)  # not a generate call: the next one is still the first
     # The very first generate on this engine: one request, CPU tensors, max_tokens=1.
@@ -500,7 +506,11 @@ def print_summary(args, results) -> None:
     if not args.cpu:
         print(f"copy bandwidth {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
               f"bf16 matmul {results['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
-    print(f"\nstart-up: construction {results['construction_seconds']:.2f} s, first generate "
+    builds = results.get("construction_triton_builds")
+    hits = results.get("construction_triton_disk_cache_hits")
+    cold = ("" if builds is None else f" ({builds} Triton builds, {hits} of them loaded from the disk cache; "
+            "construction.py measures an empty cache)")
+    print(f"\nstart-up: construction {results['construction_seconds']:.2f} s{cold}, first generate "
           f"{results['first_generate_seconds'] * 1e3:.1f} ms, "
           f"warm single {results['warm_single_seconds'] * 1e3:.1f} ms (median of 3), "
           f"first / warm {results['first_over_warm']:.2f}  "

@@ -175,6 +175,8 @@ _CHILD = textwrap.dedent("""
     fused_ops.fuse_rmsnorms(runner.model)
     set_attention_backend("triton")
     runner.kernel_build_threads = 2
+    from runner.worker.kernel_compiles import kernel_compiles
+    compiles = kernel_compiles()
     started = time.perf_counter()
     on = build_startup_kernels(runner, graphs=True)
     ahead_s = time.perf_counter() - started
@@ -194,7 +196,8 @@ _CHILD = textwrap.dedent("""
         decode_graph_body(runner, b)()
     triton_launch._BUILD_ONLY.reset(token)
     print("RESULT " + json.dumps({"on": on, "ahead": ahead, "after": builds[len(ahead):], "peak": peak[0],
-                                  "seconds": ahead_s, "buckets": [mixed_sizes, decode_sizes]}))
+                                  "seconds": ahead_s, "buckets": [mixed_sizes, decode_sizes],
+                                  "counted": compiles.count, "disk_cache_hits": compiles.disk_cache_hits}))
 """)
 
 
@@ -222,6 +225,9 @@ def test_start_up_kernels_build_side_by_side_and_fill_the_launch_caches(tiny_mod
     assert res["peak"] >= 2, res  # two builds ran at once
     assert res["buckets"] == [[16, 32, 64], [1, 2, 4]], res
     assert res["after"] == [], res  # nothing left for the profile step or the captures to build
+    assert res["counted"] == len(res["ahead"]) and res["disk_cache_hits"] == 0, res  # all compiled
+    again = _child_result(_CHILD, path, env, tmp_path)  # the same Triton cache, now filled
+    assert again["counted"] == again["disk_cache_hits"] == len(again["ahead"]), again  # all loaded
 
 
 _GPU_CHILD = textwrap.dedent("""

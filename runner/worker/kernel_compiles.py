@@ -12,6 +12,8 @@ in-memory cache miss, and `jit_post_compile_hook`, after it) are chained, never 
 installed before this one still runs. Builds made side by side at start-up
 (`runner.layers.triton_launch.build_ahead`) are counted when their pass ends, and each one's seconds run
 from its submission to that end: they overlap, so their sum is more than the pass took.
+Triton's `knobs.compilation.listener` (after every build, with whether its on-disk cache answered) is
+chained the same way: `disk_cache_hits` tells a start-up on a warm machine from one on a cold machine.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class KernelCompiles:
 
     count: int = 0
     seconds: float = 0.0
+    #: of `count`, the builds Triton loaded from its on-disk cache instead of compiling (a warm machine)
+    disk_cache_hits: int = 0
     recent: list[tuple[str, float]] = field(default_factory=list)
     _started: dict[Any, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -82,5 +86,16 @@ def kernel_compiles() -> KernelCompiles | None:
 
     runtime.jit_cache_hook = cache_hook
     runtime.jit_post_compile_hook = post_compile_hook
+    compilation = getattr(knobs, "compilation", None)
+    if compilation is not None and hasattr(compilation, "listener"):
+        listener = compilation.listener
+
+        def on_compiled(*args: Any, **kwargs: Any) -> Any:  # after each compile() (hit or not)
+            if kwargs.get("cache_hit"):
+                with counter._lock:
+                    counter.disk_cache_hits += 1
+            return listener(*args, **kwargs) if listener else None
+
+        compilation.listener = on_compiled
     _COMPILES = counter
     return counter
