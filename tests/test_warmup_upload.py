@@ -143,6 +143,13 @@ def test_gpu_flags_are_read_behind_a_busy_copy_stream():
         assert up.read_flags(oks) == [True] * len(tensors)
 
 
+class _Parsed:
+    """The one field of a parsed prompt that `stage_embeds` reads and writes."""
+
+    def __init__(self, embeds):
+        self.embeds = embeds
+
+
 @pytest.mark.gpu
 def test_gpu_upload_rows_packs_a_call_through_the_ring_and_checks_each_source():
     """A call's host prompts as one upload: sources cross ring chunks and chunk edges, an empty one in
@@ -168,17 +175,13 @@ def test_gpu_upload_rows_packs_a_call_through_the_ring_and_checks_each_source():
     assert big.read_flag_tensor(ok) == [True] * 3
     assert all(torch.equal(view.cpu(), src) for view, src in zip(views, large))
 
-    class Parsed:  # the two fields stage_embeds reads and writes
-        def __init__(self, embeds):
-            self.embeds = embeds
-
-    good = [Parsed(torch.randn(n, 64, generator=g)) for n in (5, 600, 33)]
+    good = [_Parsed(torch.randn(n, 64, generator=g)) for n in (5, 600, 33)]
     host = [p.embeds for p in good]
     stage_embeds(good, torch.bfloat16, up, keep=True)
     for staged, h in zip(good, host):
         assert staged.embeds.is_cuda and torch.equal(staged.embeds.cpu(), h.to(torch.bfloat16))
     assert up.kept_bytes == 638 * 64 * 2  # one charge for the call's tensor
-    bad = [Parsed(torch.randn(4, 64, generator=g)), Parsed(torch.full((2, 64), float("inf")))]
+    bad = [_Parsed(torch.randn(4, 64, generator=g)), _Parsed(torch.full((2, 64), float("inf")))]
     with pytest.raises(ValueError, match="prompt 1: prompt_embeds contains NaN or Inf"):
         stage_embeds(bad, torch.bfloat16, up, keep=True)
     del good, staged
@@ -187,42 +190,33 @@ def test_gpu_upload_rows_packs_a_call_through_the_ring_and_checks_each_source():
 
 
 @pytest.mark.gpu
-def test_gpu_a_call_beyond_the_keep_budget_is_staged_in_batches():
+def test_gpu_a_call_beyond_the_keep_budget_is_staged_in_batches(monkeypatch):
     """A call larger than the keep budget: its leading prompts that fit go up as one kept tensor, the
     rest are checked on the device in chunks and stay host tensors (uploaded again when admitted); a
     NaN in a checked-only chunk names its own prompt; the check chunks' memory is not held."""
     from runner.engine import prompts as prompts_mod
     from runner.engine.prompts import stage_embeds
 
-    class Parsed:
-        def __init__(self, embeds):
-            self.embeds = embeds
-
     g = torch.Generator().manual_seed(3)
     up = HostUploader(torch.device("cuda"), ring_bytes=1 << 16, keep_bytes=40 * 64 * 2)
-    calls = [Parsed(torch.randn(n, 64, generator=g)) for n in (10, 20, 15, 7, 30, 2)]
+    calls = [_Parsed(torch.randn(n, 64, generator=g)) for n in (10, 20, 15, 7, 30, 2)]
     host = [p.embeds for p in calls]
-    old_chunk = prompts_mod.CHECK_CHUNK_BYTES
-    prompts_mod.CHECK_CHUNK_BYTES = 25 * 64 * 2  # the rest in chunks: [15, 7], [30], [2]
-    try:
-        checks = []
-        real = up.check_rows
-        up.check_rows = lambda srcs, dtype: checks.append([t.shape[0] for t in srcs]) or real(srcs, dtype)
-        stage_embeds(calls, torch.bfloat16, up, keep=True)
-        assert checks == [[15, 7], [30], [2]]
-        assert [p.embeds.is_cuda for p in calls] == [True, True, False, False, False, False]
-        for p, h in zip(calls, host):
-            want = h.to(torch.bfloat16) if p.embeds.is_cuda else h
-            assert torch.equal(p.embeds.cpu(), want)
-        assert up.kept_bytes == 30 * 64 * 2
-        bad = [Parsed(torch.randn(n, 64, generator=g)) for n in (10, 20, 15, 7, 30, 2)]
-        bad[4].embeds[29, 0] = float("nan")
-        with pytest.raises(ValueError, match="prompt 4: prompt_embeds contains NaN or Inf"):
-            stage_embeds(bad, torch.bfloat16, up, keep=True)
-        assert all(not p.embeds.is_cuda for p in bad)  # a refused call keeps its host tensors
-    finally:
-        prompts_mod.CHECK_CHUNK_BYTES = old_chunk
-
+    monkeypatch.setattr(prompts_mod, "CHECK_CHUNK_BYTES", 25 * 64 * 2)  # the rest: [15, 7], [30], [2]
+    checks = []
+    real = up.check_rows
+    up.check_rows = lambda srcs, dtype: checks.append([t.shape[0] for t in srcs]) or real(srcs, dtype)
+    stage_embeds(calls, torch.bfloat16, up, keep=True)
+    assert checks == [[15, 7], [30], [2]]
+    assert [p.embeds.is_cuda for p in calls] == [True, True, False, False, False, False]
+    for p, h in zip(calls, host):
+        want = h.to(torch.bfloat16) if p.embeds.is_cuda else h
+        assert torch.equal(p.embeds.cpu(), want)
+    assert up.kept_bytes == 30 * 64 * 2
+    bad = [_Parsed(torch.randn(n, 64, generator=g)) for n in (10, 20, 15, 7, 30, 2)]
+    bad[4].embeds[29, 0] = float("nan")
+    with pytest.raises(ValueError, match="prompt 4: prompt_embeds contains NaN or Inf"):
+        stage_embeds(bad, torch.bfloat16, up, keep=True)
+    assert all(not p.embeds.is_cuda for p in bad)  # a refused call keeps its host tensors
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Callable, Hashable, Iterator
@@ -69,10 +70,9 @@ def _launch_key(kernel: Any, args: tuple, kwargs: dict) -> Hashable:
     specialises them on (width class, == 1, divisibility by 16); tensors by dtype and 16-byte alignment.
     Finer is harmless (one more warm-up, answered from Triton's cache); coarser would skip a build, so
     whatever it cannot describe raises TypeError."""
-    params = getattr(kernel, "params", None)
-    constexpr = [getattr(p, "is_constexpr", True) for p in params] if params else [True] * len(args)
-    if len(constexpr) < len(args):
-        constexpr += [True] * (len(args) - len(constexpr))
+    params = getattr(kernel, "params", None) or ()
+    constexpr = itertools.chain((getattr(p, "is_constexpr", True) for p in params),
+                                itertools.repeat(True))  # beyond the known parameters: by value
     positional = tuple(_argument_key(a, exact) for a, exact in zip(args, constexpr))
     named = tuple(sorted((k, _argument_key(v, True)) for k, v in kwargs.items()))
     return (id(kernel), positional, named)
