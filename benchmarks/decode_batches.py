@@ -1,4 +1,4 @@
-"""Decode speed by batch size, with the norm-GEMM kernels on and off, side by side in one run.
+"""Decode speed by batch size with a kernel switch off and on (default: the norm-GEMM kernels), side by side.
 
 Why: `runner.layers.norm_gemm` folds each RMSNorm into the projection after it for steps of at most
 `NORM_GEMM_MAX_ROWS` tokens (q/k/v) and `NORM_GATE_UP_MAX_ROWS` (gate/up). Its win is largest at small
@@ -9,9 +9,11 @@ One command, GPU (about a minute on an H200):
 
     python benchmarks/decode_batches.py [--batches 1,8,32,64] [--repeats 3] [--out results.json]
 
-Each side runs in its own process (the switch, `BRIDGE_NORM_GEMM_MAX_ROWS`, is read at import): one
-warm-up call per batch size, then the median of `--repeats` timed calls. Reported per batch size:
-output tok/s and ms per decode step for both sides, their ratio, and whether the greedy tokens agree.
+Each side runs in its own process (the switch is an environment variable read at import; `--switch
+NAME=OFF` names it and its off value, `BRIDGE_NORM_GEMM_MAX_ROWS=0` by default, `BRIDGE_DOWN_GEMM=0` for
+the down-projection kernel): one warm-up call per batch size, then the median of `--repeats` timed calls.
+Reported per batch size: output tok/s and ms per decode step for both sides, their ratio, and whether
+the greedy tokens agree.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-SIDES = {"off": "0", "on": None}  # None: the engine's default (on)
 
 
 def child(args) -> int:
@@ -68,24 +69,29 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU (a smoke run; no kernels)")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--switch", default="BRIDGE_NORM_GEMM_MAX_ROWS=0",
+                    help="NAME=OFF_VALUE (default: %(default)s)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
     from generate import child_result, write_results
 
+    name, _, off_value = args.switch.partition("=")
+    if not name or not off_value:
+        ap.error(f"--switch takes NAME=OFF_VALUE, got {args.switch!r}")
     results = {}
-    for side, value in SIDES.items():
+    for side, value in {"off": off_value, "on": None}.items():  # None: the engine's default (on)
         env = dict(os.environ)
-        env.pop("BRIDGE_NORM_GEMM_MAX_ROWS", None)
+        env.pop(name, None)
         if value is not None:
-            env["BRIDGE_NORM_GEMM_MAX_ROWS"] = value
+            env[name] = value
         cmd = [sys.executable, __file__, "--child", "--batches", args.batches, "--repeats", str(args.repeats)]
         cmd += ["--cpu"] if args.cpu else []
         cmd += ["--model-dir", args.model_dir] if args.model_dir else []
         results[side] = child_result(cmd, f"the {side} side", env)
-    print(f"device: {results['on']['device']}; construction off {results['off']['construct_s']:.1f} s, "
-          f"on {results['on']['construct_s']:.1f} s")
+    print(f"switch {name}; device: {results['on']['device']}; construction off "
+          f"{results['off']['construct_s']:.1f} s, on {results['on']['construct_s']:.1f} s")
     print("| batch | off tok/s | on tok/s | off ms/step | on ms/step | on / off | tokens equal | builds |")
     print("|---:|---:|---:|---:|---:|---:|---|---|")
     table = {}

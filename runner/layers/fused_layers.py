@@ -16,9 +16,10 @@ into the GEMM after it and that GEMM's epilogue kernel into the GEMM (`runner.la
 q/k/v up to `NORM_GEMM_MAX_ROWS` tokens, gate/up up to `NORM_GATE_UP_MAX_ROWS`:
 
     [norm -> q/k/v GEMM -> q_norm, k_norm, rotary, K/V cache write] -> paged attention
-         -> o_proj addmm -> [norm -> gate/up GEMM -> SiLU*mul] -> down_proj addmm
+         -> o_proj addmm -> [norm -> gate/up GEMM -> SiLU*mul] -> [down_proj GEMM + residual]
 
-five launches up to 32 tokens, seven up to 64 (attention counted as one; the two addmm stay cuBLAS).
+five launches up to 32 tokens (the last one `runner.layers.down_gemm`'s split-K kernel, which replaces
+cuBLAS's split-K GEMM, reduce and copy), seven up to 64 (attention counted as one; o_proj stays cuBLAS).
 
 How: the layer's modules, weights, loading and `state_dict` stay Hugging Face's; only the bound
 `forward` of each fusable layer instance is replaced, and the replacement takes the fused path
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 
 from runner.layers.attention_metadata import current_forward_context
+from runner.layers.down_gemm import down_residual_, down_residual_supported, new_counters
 from runner.layers.fused_linear import silu_mul
 from runner.layers.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
 from runner.layers.hf_attention import get_attention_backend
@@ -80,6 +82,10 @@ def _norm_gemm_max_rows(default: int = 64) -> int:
 # import, overrides the default (A/B runs in subprocesses).
 NORM_GEMM_MAX_ROWS = _norm_gemm_max_rows()
 NORM_GATE_UP_MAX_ROWS = 32
+# Steps that take norm_gate_up_silu also run the down projection + residual as one kernel
+# (`runner.layers.down_gemm`): 6.3-6.6 us against cuBLAS's 7.8-7.9 at W1's shape on an H200, M = 1..32.
+# BRIDGE_DOWN_GEMM=0 (read at import) keeps cuBLAS (A/B runs).
+DOWN_GEMM = os.environ.get("BRIDGE_DOWN_GEMM", "1") != "0"
 # Like FUSED_LAYERS_ON_CPU, for the norm-GEMM kernels (tests, under TRITON_INTERPRET=1).
 NORM_GEMM_ON_CPU = False
 
@@ -278,6 +284,10 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
 
     if norm_gemm and t <= NORM_GATE_UP_MAX_ROWS:
         act = norm_gate_up_silu(x, post_norm.weight, post_norm.variance_epsilon, mlp.bridge_gate_up_weight)
+        counters = getattr(mlp, "bridge_down_counters", None)
+        if counters is not None and down_residual_supported(x, act, mlp.down_proj.weight, silu=False):
+            # x is this layer's own tensor (the o_proj sum): the kernel adds into it in place.
+            return down_residual_(x, act, mlp.down_proj.weight, counters, silu=False).unsqueeze(0)
     else:
         h = rms_norm(x, post_norm.weight, post_norm.variance_epsilon)
         act = silu_mul(F.linear(h, mlp.bridge_gate_up_weight))
@@ -298,5 +308,9 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
             continue
         layer.bridge_original_forward = layer.forward
         layer.forward = functools.partial(_fused_layer_forward, layer)
+        down = layer.mlp.down_proj
+        if DOWN_GEMM and down.bias is None:  # arrival counters of the down kernel, made before any capture
+            counters = new_counters(down.weight.shape[0], NORM_GATE_UP_MAX_ROWS, down.weight.device)
+            layer.mlp.register_buffer("bridge_down_counters", counters, persistent=False)
         count += 1
     return count
