@@ -294,3 +294,56 @@ def test_profile_step_leaves_the_engine_clean(llm):
     assert llm.num_steps == steps
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
     _assert_all_free(llm)
+
+
+def test_window_tokens_stop_exactly_as_token_by_token():
+    """`Request.append_window_tokens` (a decode window's tokens in one call) against append + check_stop per
+    token: same tokens kept, same status and stop reason, over EOS, ignore_eos, stop ids, min_tokens,
+    max_tokens and the context limit, with the stop anywhere in the window or past it."""
+    import random
+
+    from runner.engine.request import Request
+
+    rng = random.Random(0)
+    for case in range(600):
+        max_tokens = rng.randint(1, 12)
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=rng.random() < 0.3,
+            stop_token_ids=rng.sample(range(6), rng.randint(0, 2)),
+            min_tokens=rng.randint(0, min(3, max_tokens)),
+        )
+        prompt = list(range(rng.randint(1, 5)))
+        max_len = rng.choice([None, len(prompt) + rng.randint(1, 14)])
+        kept_before = rng.randint(0, 2)
+        window = [rng.randrange(8) for _ in range(rng.randint(1, 8))]
+
+        slow, fast = (Request(f"r{case}", 0, prompt, params, eos_token_ids=frozenset({0, 7}),
+                              max_model_len=max_len) for _ in range(2))
+        for r in (slow, fast):
+            r.output_token_ids.extend([6] * kept_before)  # 6 stops nothing
+            r.num_tokens += kept_before
+        if kept_before >= params.max_tokens or (max_len and len(prompt) + kept_before >= max_len):
+            continue  # such a request finished before; it is never in a window
+        n_slow = len(window)
+        for n, token in enumerate(window, 1):
+            slow.append_output_token(token)
+            if slow.check_stop():
+                n_slow = n
+                break
+        n_fast = fast.append_window_tokens(window)
+        got = (n_fast, fast.output_token_ids, fast.status, fast.stop_reason, fast.num_tokens)
+        want = (n_slow, slow.output_token_ids, slow.status, slow.stop_reason, slow.num_tokens)
+        assert got == want, (case, params, window)
+
+
+def test_batched_output_texts_equal_one_by_one(llm):
+    """`generate` decodes its outputs' texts in one tokenizer call per skip_special_tokens value; each text
+    equals the request's own decode."""
+    from runner.engine.request import decode_outputs
+
+    params = [SamplingParams(max_tokens=6, temperature=0.0, skip_special_tokens=i % 2 == 0) for i in range(4)]
+    outs = llm.generate([{"prompt_token_ids": _ids(9, i)} for i in range(4)], params, use_tqdm=False)
+    for o, p in zip(outs, params):
+        assert o.outputs[0].text == llm.tokenizer.decode(o.outputs[0].token_ids,
+                                                         skip_special_tokens=p.skip_special_tokens)
+    assert decode_outputs([], llm.tokenizer) == []

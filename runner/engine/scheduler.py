@@ -218,13 +218,10 @@ class Scheduler:
         """Advance each request through its window tokens until it stops; later tokens are dropped."""
         finished: list[Request] = []
         for request, toks in zip(out.requests, tokens):
-            for token in toks:
-                request.num_computed_tokens += 1
-                request.append_output_token(token)
-                if request.check_stop():
-                    self._retire(request)
-                    finished.append(request)
-                    break
+            request.num_computed_tokens += request.append_window_tokens(toks)
+            if request.is_finished:
+                self._retire(request)
+                finished.append(request)
         return finished
 
     # ----------------------------------------------------------------------------- update

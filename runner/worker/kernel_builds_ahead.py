@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runner.config import MAX_DECODE_WINDOW
+from runner.layers.greedy_argmax import greedy_argmax
 from runner.layers.triton_launch import build_ahead
 from runner.worker.cuda_graphs import mixed_graph_token_sizes
 from runner.worker.memory_profile import largest_step_on_scratch_cache
@@ -65,11 +66,13 @@ def _run_startup_steps(runner: ModelRunner, largest_step: Callable[[], Scheduler
     if not graphs:
         return
     decode_sizes = decode_graph_sizes(runner)
-    runner.decode_graphs.allocate(decode_sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device)
+    graphs = runner.decode_graphs
+    graphs.allocate(decode_sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device, runner.head_dtype)
     for tokens in reversed(mixed_graph_token_sizes(runner.mixed_graph_max_tokens)):
         mixed_graph_body(runner, tokens)()
     for b in reversed(decode_sizes):
         decode_graph_body(runner, b)()
+    greedy_argmax(graphs.head_logits[:1], graphs.window_tokens[0, :1])  # a decode window's argmax
 
 
 __all__ = ["build_startup_kernels"]

@@ -36,6 +36,7 @@ from runner.layers.sampler import Sampler
 from runner.layers.triton_launch import build_threads_from_env
 from runner.multimodal.state import MultimodalState
 from runner.worker.cuda_graphs import DecodeGraphs, GraphBuckets
+from runner.worker.decode_window import run_decode_window
 from runner.worker.hf_config import text_config
 from runner.worker.host_upload import HostUploader
 from runner.worker.inputs_embeds import InputsEmbedsBuilder
@@ -271,8 +272,16 @@ class ModelRunner:
         self.num_blocks_known[request.slot] = 0
 
     # ----------------------------------------------------------------------------- forward
+    @property
+    def head_dtype(self) -> torch.dtype:
+        """The dtype the LM head computes its logits in (the decode graphs' `head_logits`)."""
+        return self.lm_head.weight.dtype
+
     def _forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_indices: torch.Tensor | None, to_float: bool = True) -> torch.Tensor:
+                 logits_indices: torch.Tensor | None, to_float: bool = True,
+                 logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder + LM head; fp32 logits, or the head's dtype (`to_float=False`), or written into
+        `logits_out` (a plain bias-free head writes there directly, with no temporary)."""
         # positions: (T,) or, on M-RoPE models, (3, T) -> position_ids (3, 1, T).
         with set_forward_context(ForwardContext(meta, self.kv_caches)):
             hidden = self.decoder(
@@ -280,7 +289,13 @@ class ModelRunner:
             ).last_hidden_state[0]
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
-        logits = self.lm_head(hidden)
+        head = self.lm_head
+        if logits_out is not None:
+            if (type(head) is torch.nn.Linear and head.bias is None and hidden.dtype == logits_out.dtype
+                    and head.weight.dtype == logits_out.dtype):
+                return torch.mm(hidden, head.weight.t(), out=logits_out)
+            return logits_out.copy_(head(hidden))
+        logits = head(hidden)
         return logits.float() if to_float else logits
 
     def can_replay(self, num_reqs: int) -> bool:
@@ -408,6 +423,7 @@ class ModelRunner:
             self.decode_graphs.graphs[bucket].replay()
             self.num_graph_replays += 1
             logits = self.decode_graphs.logits[:r]
+            logits.copy_(self.decode_graphs.head_logits[:r])  # the sampler works in fp32
             if len(sample_rows) != r:
                 keep = torch.tensor([i for i in range(r) if so.samples[i]]).to(self.device, non_blocking=True)
                 logits = logits.index_select(0, keep)
@@ -450,41 +466,10 @@ class ModelRunner:
                 self.token_table[req.slot, pos] = token
         return result
 
-    @torch.inference_mode()
     def execute_decode_window(self, so: SchedulerOutput, k: int) -> list[list[int]]:
-        """Run `k` greedy decode steps back to back on the device; one host sync for all of them.
-
-        Step j's input token is step j-1's argmax, fed on the device; positions, context lengths
-        and KV slots advance on the device from the block tables the scheduler already extended
-        for `k` more tokens. Every step replays the decode graph of the batch's bucket. Returns
-        the `k` tokens of each request; the caller drops those after a stop.
-        """
-        sd = self._stage(so)
-        v, r, bucket, bs = sd.views, sd.r, sd.bucket, self.block_size
-        assert bucket is not None and sd.single_token and len(sd.sample_rows) == r
-        deltas = self.mm.decode_deltas(so.requests) if self.mm is not None and self.mm.uses_mrope else None
-        if deltas is not None:  # M-RoPE: positions carry the delta; KV slots come from the index
-            v.positions[:r] += deltas
-        graph, tokens = self.decode_graphs.graphs[bucket], self.decode_graphs.window_tokens
-        for j in range(k):
-            if j:
-                v.input_ids[:r].copy_(tokens[j - 1, :r])
-                v.positions[:r] += 1
-                v.seq_lens[:r] += 1
-                pos = v.positions[:r] if deltas is None else v.positions[:r] - deltas
-                block = v.block_tables[:r].gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1))
-                v.slot_mapping[:r].copy_(block.squeeze(1).long() * bs + pos % bs)
-            self.embeds_builder.build(self.embed_tokens, v.input_ids)
-            graph.replay()
-            torch.argmax(self.decode_graphs.logits[:r], dim=-1, out=tokens[j, :r])
-        self.num_graph_replays += k
-        self.num_forward_steps += k
-        self.num_decode_windows += 1
-        out = tokens[:k, :r].t().tolist()
-        for req, toks in zip(so.requests, out):
-            n = req.num_tokens
-            self.token_table[req.slot, n : n + k] = toks[: self.max_model_len + 1 - n]
-        return out
+        """Run `k` greedy decode steps back to back on the device (`runner.worker.decode_window`);
+        the `k` tokens of each request."""
+        return run_decode_window(self, so, k)
 
     # ----------------------------------------------------------------------------- CUDA graphs
     def capture_cuda_graphs(self, *, emulate: bool = False) -> None:

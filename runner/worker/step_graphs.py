@@ -47,9 +47,8 @@ def decode_graph_body(runner: ModelRunner, b: int) -> Callable[[], None]:
     embeds = runner.embeds_builder.dummy_inputs_embeds(b)
 
     def body() -> None:
-        # The fp32 buffer takes the model-dtype logits in one casting copy (no fp32 temporary).
-        logits = runner._forward(embeds, v.positions, meta, None, to_float=False)
-        runner.decode_graphs.logits[:b].copy_(logits)
+        # The head writes its own dtype's logits straight into the fixed buffer (see DecodeGraphs).
+        runner._forward(embeds, v.positions, meta, None, logits_out=runner.decode_graphs.head_logits[:b])
 
     return body
 
@@ -94,7 +93,8 @@ def capture_step_graphs(runner: ModelRunner, *, emulate: bool = False) -> None:
     if runner.device.type != "cuda" and not emulate:
         return
     sizes = decode_graph_sizes(runner)
-    runner.decode_graphs.allocate(sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device)
+    runner.decode_graphs.allocate(sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device,
+                                  runner.head_dtype)
     mixed = runner.mixed_graphs
     mixed.sizes = mixed_graph_token_sizes(runner.mixed_graph_max_tokens)  # capped at the step budget
     warmups = 1 if runner.kernels_built_ahead else 2  # the build-ahead pass ran every body once already
