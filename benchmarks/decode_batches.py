@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--switch", default="BRIDGE_NORM_GEMM_MAX_ROWS=0",
                     help="NAME=OFF_VALUE (default: %(default)s)")
+    ap.add_argument("--on-first", action="store_true", help="run the on side first (order effects)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -81,7 +82,9 @@ def main() -> int:
     if not name or not off_value:
         ap.error(f"--switch takes NAME=OFF_VALUE, got {args.switch!r}")
     results = {}
-    for side, value in {"off": off_value, "on": None}.items():  # None: the engine's default (on)
+    sides = {"off": off_value, "on": None}  # None: the engine's default (on)
+    for side in (["on", "off"] if args.on_first else ["off", "on"]):
+        value = sides[side]
         env = dict(os.environ)
         env.pop(name, None)
         if value is not None:

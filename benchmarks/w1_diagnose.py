@@ -10,6 +10,8 @@ tokens, greedy, ignore_eos). Diagnostics, not a target: they explain the numbers
                                                  # lag ~0 means the GPU waited for the host there
     python benchmarks/w1_diagnose.py hostprof    # flagged host syncs (sync debug mode) and a cProfile
                                                  # of the eager prefill launches
+    python benchmarks/w1_diagnose.py startprof   # cProfile of the host work before the first step
+                                                 # launches (prompt processing, first schedule), per path
     python benchmarks/w1_diagnose.py hostgap [--workload W2]
                                                  # prompt embeds from CPU tensors (as users pass them)
                                                  # vs device-resident vs token ids: medians of 3
@@ -167,7 +169,8 @@ def timeline(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
     wrap(llm.runner, "execute_decode_window", lambda so, k: f" reqs={so.num_reqs} k={k}")
     for name in ("schedule", "schedule_decode_window", "update_window", "finish_step"):
         wrap(llm.scheduler, name)
-    for path, prompts in (("embeds", embeds), ("ids", ids)):
+    cpu = [{"prompt_embeds": p["prompt_embeds"].cpu()} for p in embeds]  # pageable, as users pass them
+    for path, prompts in (("embeds", embeds), ("embeds_cpu", cpu), ("ids", ids)):
         for mt in (2, 128):
             marks.clear()
             on[0] = True
@@ -211,6 +214,53 @@ def hostgap(llm: LLM, embeds: list[dict], ids: list[dict], output_lens: list[int
         print(out.getvalue(), flush=True)
 
 
+# ------------------------------------------------------------------------------------------- startprof
+
+def startprof(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
+    """cProfile of the host work before the first step launches (prompt processing, then the first
+    schedule, which admits the requests), per prompt path: the GPU idles through all of it."""
+    cpu = [{"prompt_embeds": p["prompt_embeds"].cpu()} for p in embeds]  # pageable, as users pass them
+    for name, prompts in (("ids", ids), ("embeds_device", embeds), ("embeds_cpu", cpu)):
+        run(llm, prompts, 1)  # first-use costs outside the profile
+        pr, first_launch, wall = _profile_until_first_launch(llm, prompts)
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(30)
+        print(f"=== {name}: first launch after {first_launch * 1e3:.1f} ms (wall {wall * 1e3:.1f} ms)")
+        print(out.getvalue(), flush=True)
+
+
+def _profile_until_first_launch(llm: LLM, prompts: list[dict]) -> tuple[cProfile.Profile, float, float]:
+    pr = cProfile.Profile()
+    state = {"profiling": True, "t0": time.perf_counter(), "first_launch": 0.0}
+    originals = (llm.processor.process, llm.scheduler.schedule, llm.runner.launch)
+
+    def profiled(f):
+        def wrapped(*a, **k):
+            if not state["profiling"]:
+                return f(*a, **k)
+            pr.enable()
+            try:
+                return f(*a, **k)
+            finally:
+                pr.disable()
+        return wrapped
+
+    def launch(*a, **k):
+        if state["profiling"]:
+            state["profiling"] = False
+            state["first_launch"] = time.perf_counter() - state["t0"]
+        return originals[2](*a, **k)
+
+    llm.processor.process, llm.scheduler.schedule = profiled(originals[0]), profiled(originals[1])
+    llm.runner.launch = launch
+    try:
+        state["t0"] = time.perf_counter()
+        wall = run(llm, prompts, 1)
+    finally:
+        llm.processor.process, llm.scheduler.schedule, llm.runner.launch = originals
+    return pr, state["first_launch"], wall
+
+
 # ------------------------------------------------------------------------------------------- hostprof
 
 def hostprof(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
@@ -246,7 +296,7 @@ def hostprof(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=("breakdown", "timeline", "hostprof", "hostgap"))
+    ap.add_argument("mode", choices=("breakdown", "timeline", "hostprof", "hostgap", "startprof"))
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="W1", help="hostgap only")
     args = ap.parse_args()
     if args.workload != "W1" and args.mode != "hostgap":
@@ -259,7 +309,8 @@ def main() -> int:
         hostgap(llm, embeds, ids, output_lens)
         return 0
     warm_up(llm, embeds, ids)
-    {"breakdown": breakdown, "timeline": timeline, "hostprof": hostprof}[args.mode](llm, embeds, ids)
+    modes = {"breakdown": breakdown, "timeline": timeline, "hostprof": hostprof, "startprof": startprof}
+    modes[args.mode](llm, embeds, ids)
     return 0
 
 
