@@ -87,20 +87,26 @@ def test_engine_steps_run_the_down_kernel(tiny_model_root, fused_on_cpu, monkeyp
     monkeypatch.setattr(fused_layers, "down_residual_", counting)
     monkeypatch.setattr(fused_layers, "NORM_GEMM_ON_CPU", True)
 
-    def run(down: bool) -> list[list[int]]:
+    def run(down: bool, max_rows: int | None = None) -> list[list[int]]:
         monkeypatch.setattr(fused_layers, "DOWN_GEMM", down)
         llm = LLM(path, dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4)
         fused_linear.fuse_linears(llm.runner.model)
         assert fused_layers.fuse_decoder_layers(llm.runner.model) == 2
+        if max_rows is not None:  # counters sized for fewer rows than a step brings: cuBLAS for that step
+            for layer in llm.runner.model.model.layers:
+                layer.mlp.bridge_down_max_rows = max_rows
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
     got = run(True)
     assert calls and max(calls) <= fused_layers.NORM_GATE_UP_MAX_ROWS
+    assert max(calls) == 8  # the prefill step (5 + 3 tokens) took the kernel too
     n_calls = len(calls)
     want = run(False)
     assert len(calls) == n_calls  # without counters the layer keeps cuBLAS
     assert got == want
+    assert run(True, max_rows=4) == want
+    assert max(calls[n_calls:]) <= 4 and len(calls) > n_calls
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

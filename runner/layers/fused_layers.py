@@ -285,7 +285,8 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     if norm_gemm and t <= NORM_GATE_UP_MAX_ROWS:
         act = norm_gate_up_silu(x, post_norm.weight, post_norm.variance_epsilon, mlp.bridge_gate_up_weight)
         counters = getattr(mlp, "bridge_down_counters", None)
-        if counters is not None and down_residual_supported(x, act, mlp.down_proj.weight, silu=False):
+        if (counters is not None and t <= mlp.bridge_down_max_rows
+                and down_residual_supported(x, act, mlp.down_proj.weight, silu=False)):
             # x is this layer's own tensor (the o_proj sum): the kernel adds into it in place.
             return down_residual_(x, act, mlp.down_proj.weight, counters, silu=False).unsqueeze(0)
     else:
@@ -312,5 +313,6 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
         if DOWN_GEMM and down.bias is None:  # arrival counters of the down kernel, made before any capture
             counters = new_counters(down.weight.shape[0], NORM_GATE_UP_MAX_ROWS, down.weight.device)
             layer.mlp.register_buffer("bridge_down_counters", counters, persistent=False)
+            layer.mlp.bridge_down_max_rows = NORM_GATE_UP_MAX_ROWS  # what the counters are sized for
         count += 1
     return count
