@@ -32,8 +32,9 @@ class BlockManager:
     """Allocates KV blocks to requests from a free list; all-or-nothing per request and step.
 
     The free pool is reached only through `num_free_blocks`, `_take_free_block` and
-    `_return_free_block`, which `PrefixCachingBlockManager` overrides (its freed blocks stay
-    findable by content until taken again); allocation and freeing themselves are shared.
+    `_return_free_block` (`_return_free_blocks` calls it per block once it is overridden), which
+    `PrefixCachingBlockManager` overrides (its freed blocks stay findable by content until taken
+    again); allocation and freeing themselves are shared.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -56,6 +57,14 @@ class BlockManager:
     def _return_free_block(self, block: int) -> None:
         self._free.append(block)
 
+    def _return_free_blocks(self, blocks: list[int]) -> None:
+        """`_return_free_block` for each of `blocks`, in order (one call for a whole request)."""
+        if type(self)._return_free_block is BlockManager._return_free_block:
+            self._free.extend(blocks)
+        else:
+            for block in blocks:
+                self._return_free_block(block)
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -76,10 +85,13 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Give every block of `request` back (last block first, so recently used blocks are reused last)."""
+        ref_cnt, freed = self._ref_cnt, []
         for block in reversed(request.block_ids):
-            self._ref_cnt[block] -= 1
-            if self._ref_cnt[block] == 0:
-                self._return_free_block(block)
+            left = ref_cnt[block] - 1
+            ref_cnt[block] = left
+            if left == 0:
+                freed.append(block)
+        self._return_free_blocks(freed)  # W1's 64 requests x 41 blocks: a method call per block was ~1 ms
         request.block_ids = []
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

@@ -355,18 +355,22 @@ class Request:
 
 
 def decode_outputs(requests: list[Request], tokenizer) -> list[str | None]:
-    """The output text of every request that has no streaming detokenizer, decoded in one batch call per
-    `skip_special_tokens` value (a fast tokenizer decodes a batch in parallel: W1's 64 x 128 tokens took
-    ~5 ms one by one, ~2 ms batched on 2 cores); None where `to_output` finds the text itself."""
+    """The output text of every request that has no streaming detokenizer; None where `to_output` finds
+    the text itself (a streamed text, or no tokenizer).
+
+    Hugging Face's `decode` first walks the ids through `to_py_obj` (an isinstance per id) and then calls
+    its `_decode`; output ids are already a list of ints, so this calls `_decode` directly when the
+    tokenizer has one. Measured on W1's 64 x 128 outputs on this box's CPU: 2.0 ms through `decode`,
+    0.5 ms through `_decode`, and 3.5 ms through `batch_decode` (the same walk over the whole batch, then
+    one `_decode` per sequence). `tests/test_engine_api.py` checks the texts equal `decode`'s.
+    """
     texts: list[str | None] = [None] * len(requests)
-    batch_decode = getattr(tokenizer, "batch_decode", None)
-    if batch_decode is None:
+    if tokenizer is None:
         return texts
-    for skip in (True, False):
-        picked = [i for i, r in enumerate(requests)
-                  if r.detokenizer is None and r.sampling_params.skip_special_tokens is skip]
-        if len(picked) > 1:
-            decoded = batch_decode([requests[i].output_token_ids for i in picked], skip_special_tokens=skip)
-            for i, text in zip(picked, decoded):
-                texts[i] = text
+    decode = getattr(tokenizer, "_decode", None)
+    if not callable(decode):
+        decode = tokenizer.decode
+    for i, r in enumerate(requests):
+        if r.detokenizer is None:
+            texts[i] = decode(r.output_token_ids, skip_special_tokens=r.sampling_params.skip_special_tokens)
     return texts
