@@ -220,6 +220,35 @@ def test_gpu_a_call_beyond_the_keep_budget_is_staged_in_batches(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_device_embeds_are_staged_as_one_call():
+    """Prompts already on the device go up like host ones: one concatenation and one check for the call
+    (not one upload per prompt), read after the work that produced them on the caller's stream; a bad
+    prompt is named; a call mixing host and device tensors keeps the per-prompt path."""
+    from runner.engine.prompts import stage_embeds
+
+    up = HostUploader(torch.device("cuda"), keep_bytes=1 << 22)
+    calls = []
+    real = up.upload_rows
+    up.upload_rows = lambda srcs, dtype: calls.append(len(srcs)) or real(srcs, dtype)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    torch.cuda._sleep(20_000_000)  # the caller's stream is busy: the sources are written after this
+    good = [_Parsed(torch.randn(n, 64, generator=g, device="cuda").mul_(2)) for n in (5, 600, 33)]
+    want = [p.embeds.to(torch.bfloat16) for p in good]
+    stage_embeds(good, torch.bfloat16, up, keep=True)
+    assert calls == [3]
+    for staged, w in zip(good, want):
+        assert staged.embeds.dtype == torch.bfloat16 and torch.equal(staged.embeds, w)
+    bad = [_Parsed(torch.randn(4, 64, device="cuda")),
+           _Parsed(torch.full((2, 64), float("nan"), device="cuda"))]
+    with pytest.raises(ValueError, match="prompt 1: prompt_embeds contains NaN or Inf"):
+        stage_embeds(bad, torch.bfloat16, up, keep=True)
+    mixed = [_Parsed(torch.randn(4, 64, device="cuda")), _Parsed(torch.randn(3, 64))]
+    stage_embeds(mixed, torch.bfloat16, up, keep=True)
+    assert calls == [3, 2]  # only the bad call went as one; the mixed one went prompt by prompt
+    assert all(p.embeds.is_cuda for p in mixed)
+
+
+@pytest.mark.gpu
 def test_gpu_cpu_tensor_embeds_match_device_embeds_and_ids(model_dir):
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (40, 7, 200)]  # context 256

@@ -94,13 +94,22 @@ def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: H
 
 
 def _stage_as_one(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader) -> bool:
-    """`stage_embeds` for a call whose embeds are all host tensors of one dtype and width: batched
-    uploads (see `_stage_calls_as_one`); False (nothing done) otherwise."""
+    """`stage_embeds` for a call whose embeds are all host tensors (or all tensors on the uploader's
+    device) of one dtype and width: batched uploads (see `_stage_calls_as_one`); False (nothing done)
+    otherwise."""
     bad = _stage_calls_as_one([parsed], dtype, uploader)
     if bad is None:
         return False
     _refuse_not_finite(bad[0], dtype)
     return True
+
+
+def _on_uploader_device(t: torch.Tensor, uploader: HostUploader) -> bool:
+    """Whether `t` lives on the uploader's CUDA device ("cuda" without an index: the current one)."""
+    dev = uploader.device
+    if not (t.is_cuda and dev.type == "cuda"):
+        return False
+    return t.device.index == (dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 #: prompts beyond the keep budget are checked on the device in uploads of at most this many bytes
@@ -109,22 +118,25 @@ CHECK_CHUNK_BYTES = 64 << 20
 
 def _stage_calls_as_one(calls: Sequence[Sequence[ParsedPrompt]], dtype: torch.dtype,
                         uploader: HostUploader) -> list[list[int]] | None:
-    """The embeds of several calls in batched uploads when they can go together (host tensors of one
-    dtype and width, at least two): per call the indices of its prompts that fail the NaN/Inf check.
-    None (nothing done) when they cannot.
+    """The embeds of several calls in batched uploads when they can go together (tensors of one dtype
+    and width, at least two, all on the host or all on the uploader's device): per call the indices of
+    its prompts that fail the NaN/Inf check. None (nothing done) when they cannot.
 
     The leading prompts that fit the uploader's keep budget go up as one tensor that stays on the
     device (their admission uploads nothing); the rest are checked in `CHECK_CHUNK_BYTES` uploads and
     stay on the host until admitted. Why: a call beyond the budget (W2's 256 prompts, 295 MB) went
     prompt by prompt, each with its own allocation, copy, events and check kernels, and its `memcpy`
-    on one thread: about 3% of W2's time against the same prompts already on the device.
+    on one thread: about 3% of W2's time against the same prompts already on the device. Device
+    prompts went prompt by prompt too: ~10 ms of host time for W1's 64 before the first step.
     """
     where = [(c, i) for c, parsed in enumerate(calls) for i, p in enumerate(parsed) if p.embeds is not None]
     if len(where) < 2:
         return None
     srcs = [calls[c][i].embeds for c, i in where]
     first = srcs[0]
-    if any(t.device.type != "cpu" or t.dtype != first.dtype or t.dim() != 2 or t.shape[1] != first.shape[1]
+    # All on the host, or all already on the uploader's device (an in-process encoder's output).
+    device = first.device if _on_uploader_device(first, uploader) else torch.device("cpu")
+    if any(t.device != device or t.dtype != first.dtype or t.dim() != 2 or t.shape[1] != first.shape[1]
            for t in srcs):
         return None
     row_bytes = first.shape[1] * dtype.itemsize

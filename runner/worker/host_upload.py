@@ -103,18 +103,19 @@ class HostUploader:
 
     def upload_rows(self, srcs: list[torch.Tensor],
                     dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """Host tensors of one dtype and shape `(n_i, hidden)`, uploaded as one: the device tensor (cast
-        to `dtype`), a view of it per source, and a device bool per source (`fits_dtype`'s verdict).
+        """Tensors of one dtype and shape `(n_i, hidden)`, all on the host or all on this device, uploaded
+        as one: the device tensor (cast to `dtype`), a view of it per source, and a device bool per source
+        (`fits_dtype`'s verdict).
 
         Why: a call of 64 prompts paid, per prompt, an allocation, a copy launch, two events and four
-        check kernels on the host's critical path before the first step. Here the rows stream through
-        the ring into one device tensor (one copy per ring chunk), one row-wise min/max pass and a
-        cumulative sum give every prompt's verdict, and one cast and one event cover the call. The
-        views share the tensor's storage: it is freed when the last of them is.
+        check kernels on the host's critical path before the first step. Here host rows stream through
+        the ring into one device tensor (one copy per ring chunk; device rows: one concatenation), one
+        row-wise min/max pass and a cumulative sum give every prompt's verdict, and one cast and one
+        event cover the call. The views share the tensor's storage: it is freed when the last of them is.
         """
         consumer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
-            flat, ok, starts = self._rows_in(srcs, dtype)
+            flat, ok, starts = self._rows_in(srcs, dtype, consumer)
             out = flat if flat.dtype == dtype else flat.to(dtype)
             done = torch.cuda.Event()
             done.record(self._stream)
@@ -127,20 +128,29 @@ class HostUploader:
         device copy is dropped on the copy stream (the caller's stream never sees it, so its memory is
         free for the next upload at once). For prompts that will be uploaded again when admitted: a
         device check costs one pass of `memcpy`, a check on the CPU several passes over the rows."""
+        consumer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
-            return self._rows_in(srcs, dtype)[1]
+            return self._rows_in(srcs, dtype, consumer)[1]
 
-    def _rows_in(self, srcs: list[torch.Tensor],
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _rows_in(self, srcs: list[torch.Tensor], dtype: torch.dtype,
+                 consumer: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """On the copy stream (the caller's context): the sources' rows back to back on the device in
-        their own dtype, a device bool per source (`fits_dtype` for `dtype`), and the row bounds."""
+        their own dtype, a device bool per source (`fits_dtype` for `dtype`), and the row bounds.
+        Sources already on the device are read after the work `consumer` has queued (which may be
+        what wrote them), and kept alive for the copy stream."""
         srcs = [s.detach().contiguous() for s in srcs]
         hidden, src_dtype = srcs[0].shape[1], srcs[0].dtype
         starts = [0, *itertools.accumulate(s.shape[0] for s in srcs)]  # row bounds; the last is the total
         total = starts[-1]
         self.num_uploads += len(srcs)
         flat = torch.empty((total, hidden), dtype=src_dtype, device=self.device)
-        self._copy_many_in(srcs, flat)
+        if srcs[0].is_cuda:
+            self._stream.wait_stream(consumer)
+            torch.cat(srcs, dim=0, out=flat)
+            for s in srcs:
+                s.record_stream(self._stream)
+        else:
+            self._copy_many_in(srcs, flat)
         lo, hi = torch.aminmax(flat, dim=1) if total else (flat.new_zeros(0), flat.new_zeros(0))
         limit = limit_for(src_dtype, dtype)
         row_bad = ~((lo >= -limit) & (hi <= limit))  # NaN propagates to both ends and fails
