@@ -29,7 +29,6 @@ from transformers import AutoTokenizer, GenerationConfig
 from runner.config import EngineConfig
 from runner.engine.core import EngineCore
 from runner.engine.prompts import PromptProcessor, PromptType
-from runner.engine.request import decode_outputs
 from runner.engine.warmup import warm_up
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
@@ -321,8 +320,7 @@ class LLM:
                     if not req.is_finished:
                         self.core.abort(req.request_id)
                 bar.close()
-            texts = decode_outputs(requests, self.tokenizer)
-            outputs = [req.to_output(self.tokenizer, text) for req, text in zip(requests, texts)]
+            outputs = [req.to_output(self.tokenizer) for req in requests]
             errors = {i: req.error for i, req in enumerate(requests) if req.error is not None}
             if errors:
                 raise GenerationError(errors, [None if i in errors else o for i, o in enumerate(outputs)])

@@ -336,14 +336,15 @@ def test_window_tokens_stop_exactly_as_token_by_token():
         assert got == want, (case, params, window)
 
 
-def test_batched_output_texts_equal_one_by_one(llm):
-    """`generate` decodes its outputs' texts in one tokenizer call per skip_special_tokens value; each text
-    equals the request's own decode."""
-    from runner.engine.request import decode_outputs
+def test_output_texts_equal_the_tokenizers_decode(llm):
+    """`generate`'s output texts (and the streamed ones) go through `fast_decode`, which skips HF's
+    per-id input walk; each text equals the tokenizer's own `decode`."""
+    from runner.engine.request import fast_decode
 
     params = [SamplingParams(max_tokens=6, temperature=0.0, skip_special_tokens=i % 2 == 0) for i in range(4)]
     outs = llm.generate([{"prompt_token_ids": _ids(9, i)} for i in range(4)], params, use_tqdm=False)
     for o, p in zip(outs, params):
         assert o.outputs[0].text == llm.tokenizer.decode(o.outputs[0].token_ids,
                                                          skip_special_tokens=p.skip_special_tokens)
-    assert decode_outputs([], llm.tokenizer) == []
+    assert fast_decode(llm.tokenizer)([], skip_special_tokens=True) == llm.tokenizer.decode(
+        [], skip_special_tokens=True)

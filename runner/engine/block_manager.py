@@ -32,9 +32,8 @@ class BlockManager:
     """Allocates KV blocks to requests from a free list; all-or-nothing per request and step.
 
     The free pool is reached only through `num_free_blocks`, `_take_free_block` and
-    `_return_free_block` (`_return_free_blocks` calls it per block once it is overridden), which
-    `PrefixCachingBlockManager` overrides (its freed blocks stay findable by content until taken
-    again); allocation and freeing themselves are shared.
+    `_return_free_blocks`, which `PrefixCachingBlockManager` overrides (its freed blocks stay
+    findable by content until taken again); allocation and freeing themselves are shared.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -54,16 +53,10 @@ class BlockManager:
     def _take_free_block(self) -> int:
         return self._free.popleft()
 
-    def _return_free_block(self, block: int) -> None:
-        self._free.append(block)
-
     def _return_free_blocks(self, blocks: list[int]) -> None:
-        """`_return_free_block` for each of `blocks`, in order (one call for a whole request)."""
-        if type(self)._return_free_block is BlockManager._return_free_block:
-            self._free.extend(blocks)
-        else:
-            for block in blocks:
-                self._return_free_block(block)
+        """Back to the pool, in order: one call for a whole request (W1's 64 requests x 41 blocks cost
+        ~1 ms of host time with a method call per block)."""
+        self._free.extend(blocks)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -91,7 +84,7 @@ class BlockManager:
             ref_cnt[block] = left
             if left == 0:
                 freed.append(block)
-        self._return_free_blocks(freed)  # W1's 64 requests x 41 blocks: a method call per block was ~1 ms
+        self._return_free_blocks(freed)
         request.block_ids = []
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

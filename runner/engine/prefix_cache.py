@@ -111,8 +111,9 @@ class PrefixCachingBlockManager(BlockManager):
             del self._block_of_hash[key]
         return block
 
-    def _return_free_block(self, block: int) -> None:
-        self._free_lru[block] = None  # keeps its key: evictable, still found by content
+    def _return_free_blocks(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self._free_lru[block] = None  # keeps its key: evictable, still found by content
 
     def _register_computed(self, request: Request) -> None:
         """Key every full block of `request` whose KV is computed and not yet keyed."""

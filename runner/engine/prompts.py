@@ -104,14 +104,6 @@ def _stage_as_one(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: 
     return True
 
 
-def _on_uploader_device(t: torch.Tensor, uploader: HostUploader) -> bool:
-    """Whether `t` lives on the uploader's CUDA device ("cuda" without an index: the current one)."""
-    dev = uploader.device
-    if not (t.is_cuda and dev.type == "cuda"):
-        return False
-    return t.device.index == (dev.index if dev.index is not None else torch.cuda.current_device())
-
-
 #: prompts beyond the keep budget are checked on the device in uploads of at most this many bytes
 CHECK_CHUNK_BYTES = 64 << 20
 
@@ -135,7 +127,7 @@ def _stage_calls_as_one(calls: Sequence[Sequence[ParsedPrompt]], dtype: torch.dt
     srcs = [calls[c][i].embeds for c, i in where]
     first = srcs[0]
     # All on the host, or all already on the uploader's device (an in-process encoder's output).
-    device = first.device if _on_uploader_device(first, uploader) else torch.device("cpu")
+    device = uploader.device if first.device == uploader.device else torch.device("cpu")
     if any(t.device != device or t.dtype != first.dtype or t.dim() != 2 or t.shape[1] != first.shape[1]
            for t in srcs):
         return None

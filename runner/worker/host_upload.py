@@ -51,7 +51,10 @@ class HostUploader:
 
     def __init__(self, device: torch.device, ring_bytes: int = DEFAULT_RING_BYTES,
                  keep_bytes: int = DEFAULT_KEEP_BYTES) -> None:
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # so `t.device == uploader.device` holds
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.cuda = self.device.type == "cuda"
         self.ring_bytes = max(_ALIGN * 16, int(ring_bytes))
         self._ring: torch.Tensor | None = None

@@ -66,13 +66,13 @@ def _run_startup_steps(runner: ModelRunner, largest_step: Callable[[], Scheduler
     if not graphs:
         return
     decode_sizes = decode_graph_sizes(runner)
-    graphs = runner.decode_graphs
-    graphs.allocate(decode_sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device, runner.head_dtype)
+    outputs = runner.decode_graphs
+    outputs.allocate(decode_sizes, runner.vocab_size, MAX_DECODE_WINDOW, runner.device, runner.head_dtype)
     for tokens in reversed(mixed_graph_token_sizes(runner.mixed_graph_max_tokens)):
         mixed_graph_body(runner, tokens)()
     for b in reversed(decode_sizes):
         decode_graph_body(runner, b)()
-    greedy_argmax(graphs.head_logits[:1], graphs.window_tokens[0, :1])  # a decode window's argmax
+    greedy_argmax(outputs.head_logits[:1], outputs.window_tokens[0, :1])  # a decode window's argmax
 
 
 __all__ = ["build_startup_kernels"]

@@ -422,11 +422,13 @@ class ModelRunner:
         if bucket:
             self.decode_graphs.graphs[bucket].replay()
             self.num_graph_replays += 1
-            logits = self.decode_graphs.logits[:r]
-            logits.copy_(self.decode_graphs.head_logits[:r])  # the sampler works in fp32
-            if len(sample_rows) != r:
+            head_logits = self.decode_graphs.head_logits[:r]  # the sampler works in fp32
+            if len(sample_rows) != r:  # cast only the rows that sample
                 keep = torch.tensor([i for i in range(r) if so.samples[i]]).to(self.device, non_blocking=True)
-                logits = logits.index_select(0, keep)
+                logits = head_logits.index_select(0, keep).float()
+            else:
+                logits = self.decode_graphs.logits[:r]
+                logits.copy_(head_logits)
         elif sd.mixed:
             self.mixed_graphs.graphs[sd.mixed].replay()
             self.num_mixed_graph_replays += 1
