@@ -140,7 +140,7 @@ _CHILD = textwrap.dedent("""
         def get_active_torch_device(self): return torch.device("cpu")
 
     driver.set_active(_FakeDriver())
-    builds, running, peak, lock = [], [0], [0], threading.Lock()
+    builds, names, running, peak, lock = [], [], [0], [0], threading.Lock()
     real_compile = triton.compiler.compile
 
     def counted_compile(*args, **kwargs):  # the binders pick this up: none exists yet
@@ -153,6 +153,7 @@ _CHILD = textwrap.dedent("""
             with lock:
                 running[0] -= 1
                 builds.append(threading.current_thread().name)
+                names.append(getattr(args[0] if args else kwargs.get("src"), "name", "?"))
 
     triton.compiler.compile = counted_compile
 
@@ -166,8 +167,10 @@ _CHILD = textwrap.dedent("""
 
     torch.set_num_threads(1)
     llm = LLM(sys.argv[1], dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, enable_prompt_embeds=True)
     runner = llm.runner
+    from runner.layers.overlay_kernel import launch_overlay
+    runner.prompt_embeds_state.use_triton, runner.prompt_embeds_state._launch = True, launch_overlay
     fused_layers.FUSED_LAYERS_ON_CPU = fused_layers.NORM_GEMM_ON_CPU = True
     fused_linear.SILU_MUL_ON_CPU = fused_ops.ROTARY_ON_CPU = True
     fused_linear.fuse_linears(runner.model)
@@ -194,8 +197,10 @@ _CHILD = textwrap.dedent("""
         mixed_graph_body(runner, tokens)()
     for b in decode_sizes:
         decode_graph_body(runner, b)()
+    runner.prompt_embeds_state.build_kernel()
     triton_launch._BUILD_ONLY.reset(token)
     print("RESULT " + json.dumps({"on": on, "ahead": ahead, "after": builds[len(ahead):], "peak": peak[0],
+                                  "names": names,
                                   "seconds": ahead_s, "buckets": [mixed_sizes, decode_sizes],
                                   "counted": compiles.count, "disk_cache_hits": compiles.disk_cache_hits}))
 """)
@@ -224,7 +229,8 @@ def test_start_up_kernels_build_side_by_side_and_fill_the_launch_caches(tiny_mod
     assert all(name.startswith("triton-build") for name in res["ahead"]), res["ahead"]
     assert res["peak"] >= 2, res  # two builds ran at once
     assert res["buckets"] == [[16, 32, 64], [1, 2, 4]], res
-    assert res["after"] == [], res  # nothing left for the profile step or the captures to build
+    assert res["after"] == [], res  # nothing left for the profile step, the captures or the overlay to build
+    assert "_overlay_kernel" in res["names"], res["names"]  # a step skips it while no request has embeds
     assert res["counted"] == len(res["ahead"]) and res["disk_cache_hits"] == 0, res  # all compiled
     again = _child_result(_CHILD, path, env, tmp_path)  # the same Triton cache, now filled
     assert again["counted"] == again["disk_cache_hits"] == len(again["ahead"]), again  # all loaded

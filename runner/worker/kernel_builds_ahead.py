@@ -60,9 +60,11 @@ def build_startup_kernels(runner: ModelRunner, *, graphs: bool) -> bool:
 
 def _run_startup_steps(runner: ModelRunner, largest_step: Callable[[], SchedulerOutput],
                        graphs: bool) -> None:
-    """The profile's step, then every mixed-step and decode graph body (on temporary output buffers:
-    the capture allocates its own)."""
+    """The profile's step and the prompt-embeds overlay, then every mixed-step and decode graph body (on
+    temporary output buffers: the capture allocates its own)."""
     runner.execute(largest_step())
+    if runner.prompt_embeds_state is not None:  # skipped by every step without live embeds
+        runner.prompt_embeds_state.build_kernel()
     if not graphs:
         return
     decode_sizes = decode_graph_sizes(runner)

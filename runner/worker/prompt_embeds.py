@@ -272,6 +272,23 @@ class PromptEmbedsState:
             self.kernel_config,
         )
 
+    def build_kernel(self) -> None:
+        """One overlay launch on scratch tensors with the dtypes, alignment and row stride of a step's, for
+        start-up's build-ahead pass (`runner.worker.kernel_builds_ahead`), inside which it only builds.
+
+        Why: `apply` launches nothing while no live request holds embeddings, so the pass never met the
+        overlay, and its build (about a second, cold) fell to the warm-up's first embeds prompt. Outside
+        a build-ahead block the launch runs: one request with no scheduled token, which writes nothing.
+        """
+        if not self.use_triton:
+            return
+        embeds = torch.empty((1, self.hidden_size), dtype=self.dtype, device=self.device)
+        one_request = torch.zeros(1, dtype=torch.int32, device=self.device)
+        no_tokens = torch.zeros(2, dtype=torch.int32, device=self.device)  # query_start_loc [0, 0]
+        computed = torch.zeros(self.max_num_reqs, dtype=torch.int32, device=self.device)
+        self._launch(embeds, one_request, no_tokens, computed, self._rows_addr, self._num_rows,
+                     self._mask_addr, self.kernel_config)
+
     def _apply_torch(
         self,
         inputs_embeds: torch.Tensor,
