@@ -219,14 +219,29 @@ def test_auth_limits_and_error_shape(text_server):
     text_server.wait_idle()
 
 
-def test_metrics_count_requests_tokens_and_latency(text_server):
+def test_metrics_count_requests_tokens_and_latency(client, text_server):
+    """The counters move by what this test sends (one text stream, four embeds payloads in one request),
+    whatever ran before it on the shared server: a test of its own, alone or on any worker."""
+    before = text_server.metrics()
+    text_route = 'bridge:http_requests_total{route="/v1/completions",status="200"}'
+    pool = 'bridge:request_bodies_parsed_total{where="pool"}'
+    stream = client.completions.create(model="tiny", prompt="the red circle", stream=True, **GREEDY)
+    assert len(list(stream)) > 1  # the stream ran to its end
+    client.completions.create(model="tiny", prompt="", **GREEDY, extra_body={
+        "prompt_embeds": [encode_prompt_embeds(_embeds(4 + i, 20 + i)) for i in range(4)]})
+    text_server.wait_idle()
     m = text_server.metrics()
-    assert m["bridge:prompt_tokens_total"] > 0 and m["bridge:generation_tokens_total"] > 0
-    assert m["bridge:time_to_first_token_seconds_count"] > 0
-    assert m["bridge:inter_token_latency_seconds_count"] > 0
-    assert m['bridge:http_requests_total{route="/v1/completions",status="200"}'] > 0
-    assert m["bridge:prompt_embeds_decode_seconds_count"] >= 4
+
+    def grew(name: str) -> float:
+        return m.get(name, 0) - before.get(name, 0)
+
+    assert grew("bridge:prompt_tokens_total") >= 4 + 5 + 6 + 7  # the embeds rows, plus the text's tokens
+    assert grew("bridge:generation_tokens_total") > 0
+    assert grew("bridge:time_to_first_token_seconds_count") >= 5  # one per prompt
+    assert grew("bridge:inter_token_latency_seconds_count") > 0
+    assert grew(text_route) == 2
+    assert grew("bridge:prompt_embeds_decode_seconds_count") == 4
     # the text server parses every body in its ingest pool (conftest): none was parsed in-process
-    assert m['bridge:request_bodies_parsed_total{where="pool"}'] > 0
+    assert grew(pool) == 2
     assert m.get('bridge:request_bodies_parsed_total{where="inline"}', 0) == 0
     assert m["bridge:kv_cache_usage_perc"] == 0.0
