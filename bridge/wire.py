@@ -67,6 +67,24 @@ def encode_prompt_embeds(tensor: torch.Tensor) -> str:
     return pybase64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+class Base64Text(str):
+    """A base64 string with its decoded bytes (`decoded`), from a parser that decoded it to learn that it
+    is base64 (`bridge.serve.json_body`): `load_prompt_embeds` takes the bytes instead of decoding a W1
+    payload a second time. It is the string in every other respect, and pickles as a plain `str` (the
+    bytes do not cross a process boundary twice)."""
+
+    decoded: bytes
+
+    @classmethod
+    def carrying(cls, text: str, decoded: bytes) -> Base64Text:
+        out = cls(text)
+        out.decoded = decoded
+        return out
+
+    def __reduce__(self) -> tuple:
+        return (str, (str(self),))
+
+
 def _decode_base64(data: str | bytes | bytearray, max_payload: int) -> bytes:
     if not isinstance(data, (str, bytes, bytearray)):
         raise ValueError(f"prompt_embeds must be a base64 string, got {shown(type(data).__name__)}")
@@ -77,10 +95,13 @@ def _decode_base64(data: str | bytes | bytearray, max_payload: int) -> bytes:
             f"prompt_embeds payload of about {(len(data) // 4) * 3} bytes exceeds the cap of "
             f"{max_payload} bytes"
         )
-    try:
-        raw = pybase64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise ValueError(shown_message(f"prompt_embeds is not valid base64: {err}")) from None
+    if type(data) is Base64Text:  # decoded (strictly) by the body parser already
+        raw = data.decoded
+    else:
+        try:
+            raw = pybase64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise ValueError(shown_message(f"prompt_embeds is not valid base64: {err}")) from None
     if len(raw) > max_payload:
         raise ValueError(f"prompt_embeds payload of {len(raw)} bytes exceeds the cap of {max_payload} bytes")
     return raw

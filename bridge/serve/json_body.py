@@ -10,11 +10,12 @@ control character.
 keeps those of at least `LONG_STRING_BYTES` that are strict base64 (`pybase64` validates at about
 15 GB/s), replaces each by a short marker (a per-call random nonce: a client cannot send one), parses
 what is left with `json.loads`, and puts the strings back (`str(buffer, "ascii")`, a copy at memcpy
-speed). Only string contents change, and only to other valid string contents inside the same quotes,
-so the short body is valid JSON exactly when the body is. Anything unusual takes `json.loads(body)`
-itself, so an invalid body raises json's own error with its own message: a body that is not UTF-8, a
-marker used as an object key, a failed short parse, or more quotes and backslashes than `LEXER_BUDGET`
-(so a hostile body costs about what `json.loads` would).
+speed; each carries the bytes its check decoded, as a `bridge.wire.Base64Text`, so `load_prompt_embeds`
+does not decode it again). Only string contents change, and only to other valid string contents inside
+the same quotes, so the short body is valid JSON exactly when the body is. Anything unusual takes
+`json.loads(body)` itself, so an invalid body raises json's own error with its own message: a body that
+is not UTF-8, a marker used as an object key, a failed short parse, or more quotes and backslashes than
+`LEXER_BUDGET` (so a hostile body costs about what `json.loads` would).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import secrets
 from typing import Any
 
 import pybase64
+
+from bridge.wire import Base64Text
 
 FAST_BODY_BYTES = 64 * 1024
 """Bodies below this go straight to `json.loads` (nothing long enough to gain on)."""
@@ -44,13 +47,13 @@ def loads_body(body: bytes | bytearray | str) -> Any:
     if not spans:
         return json.loads(body)
     nonce = secrets.token_hex(8)
-    markers: dict[str, tuple[int, int]] = {}
+    markers: dict[str, tuple[int, int, bytes]] = {}
     pieces: list[bytes] = []
     view = memoryview(body)
     last = 0
-    for i, (start, end) in enumerate(spans):
+    for i, (start, end, decoded) in enumerate(spans):
         pieces += [view[last:start].tobytes(), f"\\u0000bridge-json:{nonce}:{i}".encode()]
-        markers[f"\x00bridge-json:{nonce}:{i}"] = (start, end)
+        markers[f"\x00bridge-json:{nonce}:{i}"] = (start, end, decoded)
         last = end
     pieces.append(view[last:].tobytes())
     try:
@@ -61,13 +64,13 @@ def loads_body(body: bytes | bytearray | str) -> Any:
     return json.loads(body) if restored is _GIVE_UP else restored
 
 
-def _long_base64_strings(body: bytes | bytearray) -> list[tuple[int, int]]:
-    """(start, end) of the contents of the body's long strict-base64 strings; [] to give up.
+def _long_base64_strings(body: bytes | bytearray) -> list[tuple[int, int, bytes]]:
+    """(start, end, decoded bytes) of the contents of the body's long strict-base64 strings; [] to give up.
 
     Each quote looked at and each backslash counted spends one unit of `LEXER_BUDGET`: a body of many
     short strings, escaped quotes or backslashes gives up early instead of costing a Python loop per
     byte (json.loads reads such a body at C speed)."""
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, bytes]] = []
     budget = LEXER_BUDGET
     pos = 0
     while True:
@@ -89,29 +92,31 @@ def _long_base64_strings(body: bytes | bytearray) -> list[tuple[int, int]]:
             if run % 2 == 0:
                 break
             end += 1
-        if end - start >= LONG_STRING_BYTES and _is_strict_base64(body, start, end):
-            spans.append((start, end))
+        if end - start >= LONG_STRING_BYTES:
+            decoded = _strict_base64(body, start, end)
+            if decoded is not None:
+                spans.append((start, end, decoded))
         pos = end + 1
 
 
-def _is_strict_base64(body: bytes | bytearray, start: int, end: int) -> bool:
+def _strict_base64(body: bytes | bytearray, start: int, end: int) -> bytes | None:
+    """The decoded bytes of `body[start:end]`, or None when it is not strict base64."""
     try:
-        pybase64.b64decode(memoryview(body)[start:end], validate=True)
+        return pybase64.b64decode(memoryview(body)[start:end], validate=True)
     except ValueError:  # binascii.Error is a ValueError
-        return False
-    return True
+        return None
 
 
 _GIVE_UP = object()
 
 
-def _restore(data: Any, markers: dict[str, tuple[int, int]], view: memoryview) -> Any:
+def _restore(data: Any, markers: dict[str, tuple[int, int, bytes]], view: memoryview) -> Any:
     """`data` with every marker value replaced by its string; `_GIVE_UP` when a marker is an object key.
     A marker that is gone (a duplicate key's earlier value) is gone from `json.loads(body)` too."""
 
     def text(marker: str) -> str:
-        start, end = markers[marker]
-        return str(view[start:end], "ascii")
+        start, end, decoded = markers[marker]
+        return Base64Text.carrying(str(view[start:end], "ascii"), decoded)
 
     if isinstance(data, str):
         return text(data) if data in markers else data

@@ -144,3 +144,34 @@ def test_damaged_bodies_fail_or_parse_exactly_as_json(value, data):
         else:
             body.insert(at, byte)
     same(bytes(body))
+
+
+def test_a_fast_pathed_payload_is_decoded_once(monkeypatch):
+    """The fast path decodes each long string to know it is base64; the string it puts back carries those
+    bytes, `load_prompt_embeds` takes them instead of decoding again, and the string pickles as a plain one
+    (an ingest worker's parsed body crosses a process boundary)."""
+    import pickle
+
+    import torch
+
+    from bridge import wire
+    from bridge.wire import encode_prompt_embeds, load_prompt_embeds
+
+    rows = torch.randn(512, 48, generator=torch.Generator().manual_seed(3))  # 98 KB
+    payload = encode_prompt_embeds(rows)
+    assert len(payload) >= LONG_STRING_BYTES
+    value = loads_body(json.dumps({"prompt_embeds": payload, "n": 1}).encode())["prompt_embeds"]
+    assert value == payload and isinstance(value, str)
+    assert value.decoded == base64.b64decode(payload)
+    plain = pickle.loads(pickle.dumps(value))
+    assert type(plain) is str and plain == payload
+
+    decodes = []
+    real = wire.pybase64.b64decode
+    monkeypatch.setattr(wire.pybase64, "b64decode", lambda *a, **k: decodes.append(1) or real(*a, **k))
+    assert torch.equal(load_prompt_embeds(value, hidden_size=48), rows)
+    assert decodes == []  # the fast path's bytes were used
+    assert torch.equal(load_prompt_embeds(plain, hidden_size=48), rows)
+    assert decodes == [1]  # a plain string is decoded as before
+    with pytest.raises(ValueError, match="exceeds the cap"):  # the caps still hold for carried bytes
+        load_prompt_embeds(value, hidden_size=48, max_bytes=1024)
