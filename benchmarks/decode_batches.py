@@ -11,9 +11,10 @@ One command, GPU (about a minute on an H200):
 
 Each side runs in its own process (the switch is an environment variable read at import; `--switch
 NAME=OFF` names it and its off value, `BRIDGE_NORM_GEMM_MAX_ROWS=0` by default, `BRIDGE_DOWN_GEMM=0` for
-the down-projection kernel): one warm-up call per batch size, then the median of `--repeats` timed calls.
-Reported per batch size: output tok/s and ms per decode step for both sides, their ratio, and whether
-the greedy tokens agree.
+the down-projection kernel; `NAME=OFF:ON` also sets the on side's value, `BRIDGE_PDL=0:1` for the PDL
+experiment, which is off by default): one warm-up call per batch size, then the median of `--repeats`
+timed calls. Reported per batch size: output tok/s and ms per decode step for both sides, their ratio,
+and whether the greedy tokens agree.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--switch", default="BRIDGE_NORM_GEMM_MAX_ROWS=0",
-                    help="NAME=OFF_VALUE (default: %(default)s)")
+                    help="NAME=OFF_VALUE[:ON_VALUE] (default: %(default)s; without ON_VALUE the on side "
+                         "leaves NAME unset, the engine's default)")
     ap.add_argument("--on-first", action="store_true", help="run the on side first (order effects)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -78,11 +80,12 @@ def main() -> int:
         return child(args)
     from generate import child_result, write_results
 
-    name, _, off_value = args.switch.partition("=")
+    name, _, values = args.switch.partition("=")
+    off_value, _, on_value = values.partition(":")
     if not name or not off_value:
-        ap.error(f"--switch takes NAME=OFF_VALUE, got {args.switch!r}")
+        ap.error(f"--switch takes NAME=OFF_VALUE[:ON_VALUE], got {args.switch!r}")
     results = {}
-    sides = {"off": off_value, "on": None}  # None: the engine's default (on)
+    sides = {"off": off_value, "on": on_value or None}  # None: the engine's default (on)
     for side in (["on", "off"] if args.on_first else ["off", "on"]):
         value = sides[side]
         env = dict(os.environ)

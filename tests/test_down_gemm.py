@@ -8,8 +8,14 @@ import pytest
 import torch
 from test_norm_gemm import assert_close_ulps
 
-from runner.layers import fused_layers
-from runner.layers.down_gemm import DownConfig, down_residual_, down_residual_supported, new_counters
+from runner.layers import fused_layers, pdl
+from runner.layers.down_gemm import (
+    DownConfig,
+    down_residual_,
+    down_residual_supported,
+    new_counters,
+    residual_gemm,
+)
 from runner.layers.fused_linear import silu_mul_triton
 from runner.layers.greedy_argmax import greedy_argmax
 
@@ -49,6 +55,30 @@ def test_down_residual_matches_silu_mul_and_addmm(m, silu):
         assert torch.equal(got, again)
 
 
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_weights_first_form_matches_and_leaves_the_residual(m, silu):
+    """`residual_gemm(pdl=True)`, one K step per split with the weight tile read first (K = 200 over tiles
+    of 64: an uneven last split), out of place: `x` is left as it was, `out` equals the unfused launches,
+    and the counters are zero again. On the CPU the wait is compiled out (no PDL without a GPU)."""
+    x, act, w = _case(m, 80, 200, silu, seed=10 + m)
+    want = _unfused(x, act, w, silu)
+    counters = new_counters(80, m, "cpu")
+    for cfg in (DownConfig(block_m=16, block_n=32, block_k=64), DownConfig(block_m=16, block_n=64, block_k=64,
+                                                                          swap_ab=True)):
+        before = x.clone()
+        got = residual_gemm(x, act, w, counters, silu=silu, config=cfg, pdl=True)
+        assert torch.equal(x, before)
+        assert_close_ulps(got, want, torch.bfloat16, ulps=2)
+        assert torch.count_nonzero(counters) == 0
+        into = torch.empty_like(x)
+        assert residual_gemm(x, act, w, counters, silu=silu, config=cfg, pdl=True, out=into) is into
+        assert torch.equal(into, got)
+    assert not pdl.pdl_supported(torch.device("cpu"))
+    with pytest.raises(ValueError, match="out must be like x"):
+        residual_gemm(x, act, w, counters, silu=silu, out=torch.empty(m, 81, dtype=torch.bfloat16))
+
+
 def test_down_residual_updates_x_in_place_and_rejects_bad_input():
     x, act, w = _case(3, 128, 128, silu=False)
     counters = new_counters(128, 3, "cpu")
@@ -78,13 +108,14 @@ def test_engine_steps_run_the_down_kernel(tiny_model_root, fused_on_cpu, monkeyp
     prompts = [[11, 12, 13, 14, 15], [40, 41, 42]]
     params = SamplingParams(max_tokens=4, temperature=0.0)
     calls = []
-    original = fused_layers.down_residual_
+    original = fused_layers.residual_gemm
 
     def counting(*args, **kwargs):
+        assert kwargs["out"] is args[0] and not kwargs["pdl"]  # in place, ordinary launches
         calls.append(args[0].shape[0])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(fused_layers, "down_residual_", counting)
+    monkeypatch.setattr(fused_layers, "residual_gemm", counting)
     monkeypatch.setattr(fused_layers, "NORM_GEMM_ON_CPU", True)
 
     def run(down: bool, max_rows: int | None = None) -> list[list[int]]:
@@ -107,6 +138,50 @@ def test_engine_steps_run_the_down_kernel(tiny_model_root, fused_on_cpu, monkeyp
     assert got == want
     assert run(True, max_rows=4) == want
     assert max(calls[n_calls:]) <= 4 and len(calls) > n_calls
+
+
+def test_engine_steps_with_pdl_run_o_proj_and_down_weights_first(tiny_model_root, fused_on_cpu, monkeypatch):
+    """With the PDL switch on (`runner.layers.pdl`), every step of up to PDL_MAX_ROWS tokens runs o_proj out
+    of place and the down projection in place through the weights-first kernel, on either side of the
+    norm-GEMM cut-off (the CPU runs them with ordinary launches); the greedy tokens equal the engine's
+    without it."""
+    from bridge.tiny_models import build_tiny_model
+    from runner.layers import fused_linear
+    from runner.llm import LLM
+    from runner.sampling_params import SamplingParams
+
+    path = build_tiny_model(tiny_model_root / "pdl_qwen3", "qwen3", seed=8, head_dim=32)
+    prompts = [[11, 12, 13, 14, 15], [40, 41, 42], list(range(50, 90))]  # a 48-token prefill step too
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    calls = []
+    original = fused_layers.residual_gemm
+
+    def counting(x, act, weight, counters, **kwargs):
+        calls.append((x.shape[0], weight.shape[1], kwargs.get("out") is x, kwargs.get("pdl", False)))
+        return original(x, act, weight, counters, **kwargs)
+
+    monkeypatch.setattr(fused_layers, "residual_gemm", counting)
+    monkeypatch.setattr(fused_layers, "NORM_GEMM_ON_CPU", True)
+
+    def run(enabled: bool) -> list[list[int]]:
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        llm = LLM(path, dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4)
+        fused_linear.fuse_linears(llm.runner.model)
+        assert fused_layers.fuse_decoder_layers(llm.runner.model) == 2
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    got = run(True)
+    o_calls = [c for c in calls if not c[2]]  # o_proj: out of place (the residual is the layer's input)
+    down_calls = [c for c in calls if c[2]]  # down: into the o_proj sum
+    assert o_calls and len(o_calls) == len(down_calls)
+    assert all(pdl_on for *_, pdl_on in calls)
+    rows = {m for m, _, _, _ in calls}
+    assert max(rows) > fused_layers.NORM_GATE_UP_MAX_ROWS and min(rows) <= 3  # both sides of the cut-off
+    calls.clear()
+    want = run(False)
+    assert all(not pdl_on for *_, pdl_on in calls) and max(m for m, *_ in calls) <= 32
+    assert got == want
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -169,3 +244,134 @@ def test_gpu_greedy_argmax_matches_torch(rows):
     x[0, 100] = x[0, 150000] = 30
     out = torch.empty(rows, dtype=torch.int64, device="cuda")
     assert torch.equal(greedy_argmax(x, out), torch.argmax(x, dim=-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 32, 64])
+def test_gpu_pdl_chain_equals_ordinary_launches_in_a_graph(m, monkeypatch):
+    """28 layers of SiLU*mul (releasing its dependents early) then the weights-first down projection
+    launched with PDL, and the o_proj shape out of place after it, in one CUDA graph: bitwise equal to the
+    same kernels launched normally (`pdl.LAUNCH_PDL = False`), replay after replay. A wait in the wrong
+    place reads a predecessor's output half-written, which shows up here as a difference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not pdl.pdl_supported(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0")
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    layers = 28
+    g = torch.Generator().manual_seed(m)
+
+    def weight(n, k):
+        return (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16).cuda()
+
+    downs = [weight(1024, 3072) for _ in range(layers)]
+    oprojs = [weight(1024, 2048) for _ in range(layers)]
+    gate_up = torch.randn(m, 6144, generator=g).to(torch.bfloat16).cuda()
+    o_in = torch.randn(m, 2048, generator=g).to(torch.bfloat16).cuda()
+    x0 = torch.randn(m, 1024, generator=g).to(torch.bfloat16).cuda()
+    counters = [new_counters(1024, 64, "cuda") for _ in range(2 * layers)]
+
+    def chain(x):
+        for i in range(layers):
+            act = silu_mul_triton(gate_up)
+            x = residual_gemm(x, act, downs[i], counters[2 * i], pdl=True)
+            x = residual_gemm(x, o_in, oprojs[i], counters[2 * i + 1], pdl=True)
+        return x
+
+    results = {}
+    for launched in (False, True):
+        monkeypatch.setattr(pdl, "LAUNCH_PDL", launched)
+        x = x0.clone()
+        chain(x)  # builds outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(x)
+        outs = []
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            outs.append(out.clone())
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        results[launched] = outs[0]
+    assert torch.equal(results[True], results[False])
+    assert all(torch.count_nonzero(c) == 0 for c in counters)
+
+
+_PDL_FOR_SM90 = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import runner.layers.down_gemm as dg
+import runner.layers.fused_linear as fl
+
+def build(fn, types, consts, aligned, **opts):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
+    return triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+types = dict(act_ptr="*bf16", w_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
+             count_ptr="*i32")
+aligned = [*types, "K", "N", "stride_am", "stride_wn", "stride_xm", "stride_om"]
+for cfg in (dg.default_pdl_config(64), dg.default_pdl_config(1)):
+    kernel = build(dg._down_residual_kernel, types, dict(
+        K_PER_SPLIT=cfg.block_k, SPLITS=12, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=True, EVEN_N=True, SILU=False, SWAP_AB=cfg.swap_ab, INTERPRET=False, WEIGHTS_FIRST=True,
+        PDL=True), aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True)
+    ptx = kernel.asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    loads = [m.start() for m in re.finditer(r"ld\.global", ptx)]
+    before, after = sum(at < wait for at in loads), sum(at > wait for at in loads)
+    print("down", cfg.block_m, before, after, kernel.metadata.launch_pdl)
+silu = build(fl._silu_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024, RELEASE=True),
+             ["x_ptr", "out_ptr"], num_warps=4)
+print("silu", "griddepcontrol.launch_dependents" in silu.asm["ptx"])
+"""
+
+
+def test_pdl_kernels_compile_for_sm90_with_the_weights_read_before_the_wait():
+    """Compiled for Hopper without a GPU: the weights-first down kernel issues its weight loads before
+    `griddepcontrol.wait` and its activation loads after it (the compiler could have sunk them past the
+    wait, which would leave nothing to overlap), and is marked for PDL launches; SiLU*mul releases its
+    dependents."""
+    from helpers import compile_for_sm90
+
+    lines = compile_for_sm90(_PDL_FOR_SM90).splitlines()
+    downs = [ln.split() for ln in lines if ln.startswith("down ")]
+    assert len(downs) == 2, lines
+    for _, _, before, after, marked in downs:
+        assert int(before) > 0 and int(after) > 0 and marked == "True", lines
+    assert "silu True" in lines
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_pdl_equals_the_same_kernels_launched_normally(tiny_model_root, monkeypatch):
+    """The engine with BRIDGE_PDL on (CUDA graphs, decode windows, 64 requests) gives bitwise the tokens and
+    logprobs of the same engine whose weights-first kernels launch normally: PDL changes when a kernel
+    starts, never what it computes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not pdl.pdl_supported(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0")
+    from bridge.tiny_models import build_tiny_model
+    from runner.llm import LLM
+    from runner.sampling_params import SamplingParams
+
+    path = build_tiny_model(tiny_model_root / "pdl_gpu_qwen3", "qwen3", seed=9, head_dim=64)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 3 for j in range(5 + i % 40)]} for i in range(64)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    runs = {}
+    for launched in (True, False):
+        monkeypatch.setattr(pdl, "LAUNCH_PDL", launched)
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_memory=64 << 20)
+        assert hasattr(llm.runner.model.model.layers[0].self_attn, "bridge_o_counters")
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[launched] = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs,
+                                                                           o.outputs[0].token_ids)])
+                          for o in outs]
+        assert llm.runner.num_graph_replays > 0
+        llm.shutdown()
+    assert runs[True] == runs[False]

@@ -478,11 +478,12 @@ def build(fn, types, consts, aligned, **opts):
 bf16 = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
             seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", part_out_ptr="*fp32",
             part_lse_ptr="*fp32")
-for split in (False, True):
+for split, release in ((False, False), (True, False), (False, True)):  # release: the PDL trigger
     build(pat._decode_kernel, bf16, dict(UNIT, SPLIT=split, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16,
-          TILE_N=128, IS_FP32=False), COMMON, num_warps=4, num_stages=2)
-build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, SPLITS_PAD=16, HEAD_DIM=128), COMMON,
-      num_warps=2)
+          TILE_N=128, IS_FP32=False, RELEASE=release), COMMON, num_warps=4, num_stages=2)
+for release in (False, True):
+    build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, SPLITS_PAD=16, HEAD_DIM=128, RELEASE=release),
+          COMMON, num_warps=2)
 build(pat._prefill_kernel, bf16, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, G_PAD=2,
       TILE_N=64, SEARCH_BLOCK=pat.PREFILL_SEARCH_BLOCK, IS_FP32=False), COMMON, num_warps=8, num_stages=3)
 build(pat._write_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16",
@@ -493,4 +494,4 @@ build(pat._write_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_p
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     stdout = compile_for_sm90(_COMPILE_FOR_SM90)
-    assert stdout.count(" ok") == 5, stdout
+    assert stdout.count(" ok") == 7, stdout

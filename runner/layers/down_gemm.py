@@ -39,15 +39,18 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.layers import pdl as pdl_switch
 from runner.layers.norm_gemm import (
     NORM_GEMM_DTYPES,
     _as_rows,
     _dot,
     _interpreting,
+    _load_w,
     _round_like_gemm,
     _zeros_acc,
     default_config,
 )
+from runner.layers.pdl import wait_for_predecessor
 from runner.layers.triton_launch import launch
 
 
@@ -72,6 +75,13 @@ class DownConfig:
 # M = 16 (best 6.30) and outside the five best at M = 1 (so above 6.48; best 6.29).
 DOWN_CONFIGS: tuple[tuple[int | None, DownConfig], ...] = (
     (None, DownConfig(block_m=16, block_n=64, block_k=256, splits=4, swap_ab=True)),
+)
+# The weights-first form's tiles (`residual_gemm(pdl=True)`: one K step of `block_k` per split, so a
+# program holds a BLOCK_N x BLOCK_K weight tile, 32 KB here, read before its wait). Not measured yet: a
+# starting point for `benchmarks/pdl_chain.py --sweep` on the GPU.
+PDL_CONFIGS: tuple[tuple[int | None, DownConfig], ...] = (
+    (16, DownConfig(block_m=16, block_n=64, block_k=256, swap_ab=True, num_stages=1)),
+    (None, DownConfig(block_m=64, block_n=64, block_k=256, num_warps=8, num_stages=1)),
 )
 # The smallest row and column tiles any config may use: what `new_counters` sizes for.
 _MIN_TILE = 16
@@ -100,10 +110,10 @@ def _activation_tile(a_rows, ok, ks, K, SILU: tl.constexpr, DTYPE: tl.constexpr)
 
 @triton.jit(do_not_specialize=["M"])  # the batch is never specialised (see runner.layers.norm_gemm)
 def _down_residual_kernel(
-    act_ptr, w_ptr, x_ptr, part_ptr, count_ptr, M, N, K, stride_am, stride_wn, stride_xm,
+    act_ptr, w_ptr, x_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_am, stride_wn, stride_xm, stride_om,
     K_PER_SPLIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SILU: tl.constexpr,
-    SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr,
+    SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr, WEIGHTS_FIRST: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program: BLOCK_N output columns of BLOCK_M rows over one split's K range.
     pid_n = tl.program_id(0)
@@ -121,24 +131,27 @@ def _down_residual_kernel(
 
     acc = _zeros_acc(BLOCK_M, BLOCK_N, SWAP_AB)
     k_lo = split * K_PER_SPLIT
-    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
-        if EVEN_K:
-            a = _activation_tile(a_rows, row_ok, k0 + kk, K, SILU, dtype)
-            if EVEN_N:
-                w = tl.load(w_ptrs + k0)
-            else:
-                w = tl.load(w_ptrs + k0, mask=n_ok, other=0.0)
-        else:
-            k_ok = k0 + kk < K
-            a = _activation_tile(a_rows, row_ok & k_ok, k0 + kk, K, SILU, dtype)
-            w = tl.load(w_ptrs + k0, mask=n_ok & k_ok, other=0.0)
+    if WEIGHTS_FIRST:
+        # One K step per split (K_PER_SPLIT == BLOCK_K): the weight tile is read before the wait for the
+        # kernel ahead (runner.layers.pdl), the activation after it.
+        w = _load_w(w_ptrs, n_ok, k_lo, K, BLOCK_K, EVEN_K, EVEN_N)
+        wait_for_predecessor(PDL)
+        a_ok = row_ok if EVEN_K else row_ok & (k_lo + kk < K)
+        a = _activation_tile(a_rows, a_ok, k_lo + kk, K, SILU, dtype)
         acc = _dot(a, w, acc, SWAP_AB, INTERPRET)
+    else:
+        for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+            a_ok = row_ok if EVEN_K else row_ok & (k0 + kk < K)
+            a = _activation_tile(a_rows, a_ok, k0 + kk, K, SILU, dtype)
+            w = _load_w(w_ptrs, n_ok, k0, K, BLOCK_K, EVEN_K, EVEN_N)
+            acc = _dot(a, w, acc, SWAP_AB, INTERPRET)
     acc = _as_rows(acc, SWAP_AB)
 
     out_ok = row_ok & (cols[None, :] < N)
     x_tile = x_ptr + rows64 * stride_xm + cols[None, :]
+    out_tile = out_ptr + rows64 * stride_om + cols[None, :]
     if SPLITS == 1:
-        _add_residual(x_tile, out_ok, acc, dtype, INTERPRET)
+        _add_residual(x_tile, out_tile, out_ok, acc, dtype, INTERPRET)
     else:
         m_pad = tl.num_programs(1) * BLOCK_M
         first = part_ptr + rows64 * (tl.num_programs(0) * BLOCK_N) + cols[None, :]
@@ -151,20 +164,25 @@ def _down_residual_kernel(
             total = tl.load(first, cache_modifier=".cg")
             for s in tl.static_range(1, SPLITS):
                 total += tl.load(first + s * m_pad * n_pad, cache_modifier=".cg")
-            _add_residual(x_tile, out_ok, total, dtype, INTERPRET)
+            _add_residual(x_tile, out_tile, out_ok, total, dtype, INTERPRET)
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (and graph replay)
 
 
 @triton.jit
-def _add_residual(x_tile, ok, total, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """x += total, rounded once (addmm's epilogue)."""
+def _add_residual(x_tile, out_tile, ok, total, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """out = x + total, rounded once (addmm's epilogue); `out_tile` may be `x_tile` (in place)."""
     x = tl.load(x_tile, mask=ok, other=0.0).to(tl.float32)
-    tl.store(x_tile, _round_like_gemm(x + total, DTYPE, INTERPRET).to(DTYPE), mask=ok)
+    tl.store(out_tile, _round_like_gemm(x + total, DTYPE, INTERPRET).to(DTYPE), mask=ok)
 
 
 def default_down_config(m: int) -> DownConfig:
     """The config of `DOWN_CONFIGS` for a batch of `m` rows."""
     return default_config(DOWN_CONFIGS, m)
+
+
+def default_pdl_config(m: int) -> DownConfig:
+    """The config of `PDL_CONFIGS` for a batch of `m` rows."""
+    return default_config(PDL_CONFIGS, m)
 
 
 def down_residual_supported(x: torch.Tensor, act: torch.Tensor, weight: torch.Tensor, *, silu: bool) -> bool:
@@ -188,20 +206,43 @@ def down_residual_(
     projection, `act` (M, 2K) gate|up when `silu`, else (M, K); `counters` from `new_counters` (zero
     between calls; not shared with a call running at the same time).
     """
+    return residual_gemm(x, act, weight, counters, silu=silu, config=config, out=x)
+
+
+def residual_gemm(
+    x: torch.Tensor, act: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor, *, silu: bool = False,
+    config: DownConfig | None = None, out: torch.Tensor | None = None, pdl: bool = False,
+) -> torch.Tensor:
+    """`out = x + (silu_mul(act) if silu else act) @ weight.T` in one launch; returns `out` (a new tensor
+    when None; `x` itself for the in-place add of `down_residual_`).
+
+    `pdl`: the weights-first form for PDL launches (`runner.layers.pdl`): one K step per split (the split
+    count follows from the tile's K step, `config.splits` is not used), the weight tile read before the
+    wait for the kernel ahead. It is launched with PDL where `runner.layers.pdl.use_pdl` allows, else
+    normally and without the wait (the same arithmetic: the results are bitwise equal).
+    """
     if not down_residual_supported(x, act, weight, silu=silu):
         raise ValueError(f"down_residual_ needs bf16/fp16 matrices that agree: x {tuple(x.shape)} {x.dtype}, "
                          f"act {tuple(act.shape)} {act.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
                          f"(silu={silu})")
-    cfg = config or default_down_config(x.shape[0])
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be like x {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    cfg = config or (default_pdl_config(x.shape[0]) if pdl else default_down_config(x.shape[0]))
     if min(cfg.block_m, cfg.block_n) < _MIN_TILE or cfg.block_k < 16 or cfg.splits < 1 or any(
             v & (v - 1) for v in (cfg.block_m, cfg.block_n, cfg.block_k)):
         raise ValueError(f"config needs power-of-two tiles of at least 16 and splits >= 1, got {cfg}")
     n, k = weight.shape
     m = x.shape[0]
     if m == 0:
-        return x
-    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(triton.cdiv(k, cfg.splits))))
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.splits), block_k) * block_k
+        return out
+    if pdl:  # one K step per split
+        block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+        k_per_split = block_k
+    else:
+        block_k = min(cfg.block_k, max(16, triton.next_power_of_2(triton.cdiv(k, cfg.splits))))
+        k_per_split = triton.cdiv(triton.cdiv(k, cfg.splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)  # no split left without keys
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
     if counters.dtype != torch.int32 or counters.device != x.device or counters.numel() < grid[0] * grid[1]:
@@ -212,14 +253,17 @@ def down_residual_(
                            device=x.device)
     else:
         part = x  # unused
+    launched_pdl = pdl and pdl_switch.LAUNCH_PDL and pdl_switch.pdl_supported(x.device)
+    extra = {"launch_pdl": True} if launched_pdl else {}
     launch(_down_residual_kernel, grid)(
-        act, weight, x, part, counters, m, n, k, act.stride(0), weight.stride(0), x.stride(0),
-        K_PER_SPLIT=k_per_split, SPLITS=splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        EVEN_K=k == splits * k_per_split, EVEN_N=n % cfg.block_n == 0, SILU=silu, SWAP_AB=cfg.swap_ab,
-        INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        act, weight, x, out, part, counters, m, n, k, act.stride(0), weight.stride(0), x.stride(0),
+        out.stride(0), K_PER_SPLIT=k_per_split, SPLITS=splits, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k, EVEN_K=k == splits * k_per_split, EVEN_N=n % cfg.block_n == 0, SILU=silu,
+        SWAP_AB=cfg.swap_ab, INTERPRET=_interpreting(), WEIGHTS_FIRST=pdl, PDL=launched_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
-    return x
+    return out
 
 
-__all__ = ["DOWN_CONFIGS", "DownConfig", "default_down_config", "down_residual_", "down_residual_supported",
-           "new_counters"]
+__all__ = ["DOWN_CONFIGS", "PDL_CONFIGS", "DownConfig", "default_down_config", "default_pdl_config",
+           "down_residual_", "down_residual_supported", "new_counters", "residual_gemm"]

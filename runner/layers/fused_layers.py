@@ -43,8 +43,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from runner.layers import pdl
 from runner.layers.attention_metadata import current_forward_context
-from runner.layers.down_gemm import down_residual_, down_residual_supported, new_counters
+from runner.layers.down_gemm import down_residual_supported, new_counters, residual_gemm
 from runner.layers.fused_linear import silu_mul
 from runner.layers.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
 from runner.layers.hf_attention import get_attention_backend
@@ -88,6 +89,11 @@ NORM_GATE_UP_MAX_ROWS = 32
 DOWN_GEMM = os.environ.get("BRIDGE_DOWN_GEMM", "1") != "0"
 # Like FUSED_LAYERS_ON_CPU, for the norm-GEMM kernels (tests, under TRITON_INTERPRET=1).
 NORM_GEMM_ON_CPU = False
+# With BRIDGE_PDL=1 (`runner.layers.pdl`, an experiment, off by default) steps of up to this many tokens run
+# o_proj and the down projection as weights-first split-K kernels launched with PDL after the kernels
+# that release them early (decode attention, SiLU*mul): each streams its weights while the kernel ahead
+# of it ends. Not measured against cuBLAS yet (`benchmarks/decode_batches.py --switch BRIDGE_PDL=0:1`).
+PDL_MAX_ROWS = 64
 
 
 # ------------------------------------------------------------------------------- q/k/v -> q and KV cache
@@ -280,18 +286,27 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
         )
     o = paged_attention(q, key_cache, value_cache, meta, attn.scaling, backend=get_attention_backend(),
                         sliding_window=layer_sliding_window(attn))
-    x = _linear_plus_residual(x, o.view(t, -1), attn.o_proj)
+    o = o.view(t, -1)
+    o_counters = getattr(attn, "bridge_o_counters", None)
+    on_device = x.is_cuda or NORM_GEMM_ON_CPU
+    with_pdl = (pdl.ENABLED and o_counters is not None and t <= PDL_MAX_ROWS and on_device
+                and down_residual_supported(x, o, attn.o_proj.weight, silu=False))
+    if with_pdl:  # attention released it: the o_proj weights stream in as attention ends
+        x = residual_gemm(x, o, attn.o_proj.weight, o_counters, pdl=True)
+    else:
+        x = _linear_plus_residual(x, o, attn.o_proj)
 
     if norm_gemm and t <= NORM_GATE_UP_MAX_ROWS:
         act = norm_gate_up_silu(x, post_norm.weight, post_norm.variance_epsilon, mlp.bridge_gate_up_weight)
-        counters = getattr(mlp, "bridge_down_counters", None)
-        if (counters is not None and t <= mlp.bridge_down_max_rows
-                and down_residual_supported(x, act, mlp.down_proj.weight, silu=False)):
-            # x is this layer's own tensor (the o_proj sum): the kernel adds into it in place.
-            return down_residual_(x, act, mlp.down_proj.weight, counters, silu=False).unsqueeze(0)
     else:
         h = rms_norm(x, post_norm.weight, post_norm.variance_epsilon)
-        act = silu_mul(F.linear(h, mlp.bridge_gate_up_weight))
+        act = silu_mul(F.linear(h, mlp.bridge_gate_up_weight))  # releases a PDL down projection early
+    counters = getattr(mlp, "bridge_down_counters", None)
+    if (counters is not None and (with_pdl or (DOWN_GEMM and norm_gemm and t <= NORM_GATE_UP_MAX_ROWS))
+            and t <= mlp.bridge_down_max_rows and down_residual_supported(x, act, mlp.down_proj.weight,
+                                                                          silu=False)):
+        # x is this layer's own tensor (the o_proj sum): the kernel adds into it in place.
+        return residual_gemm(x, act, mlp.down_proj.weight, counters, out=x, pdl=with_pdl).unsqueeze(0)
     # x is this layer's own tensor now (the o_proj sum), so the second residual add can go in place.
     x = _linear_plus_residual(x, act, mlp.down_proj, inplace=True)
     return x.unsqueeze(0)
@@ -309,10 +324,14 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
             continue
         layer.bridge_original_forward = layer.forward
         layer.forward = functools.partial(_fused_layer_forward, layer)
-        down = layer.mlp.down_proj
-        if DOWN_GEMM and down.bias is None:  # arrival counters of the down kernel, made before any capture
-            counters = new_counters(down.weight.shape[0], NORM_GATE_UP_MAX_ROWS, down.weight.device)
+        down, o_proj = layer.mlp.down_proj, layer.self_attn.o_proj
+        max_rows = max(NORM_GATE_UP_MAX_ROWS, PDL_MAX_ROWS if pdl.ENABLED else 0)
+        if (DOWN_GEMM or pdl.ENABLED) and down.bias is None:  # the kernels' arrival counters, before capture
+            counters = new_counters(down.weight.shape[0], max_rows, down.weight.device)
             layer.mlp.register_buffer("bridge_down_counters", counters, persistent=False)
-            layer.mlp.bridge_down_max_rows = NORM_GATE_UP_MAX_ROWS  # what the counters are sized for
+            layer.mlp.bridge_down_max_rows = max_rows  # what the counters are sized for
+        if pdl.ENABLED and o_proj.bias is None:
+            counters = new_counters(o_proj.weight.shape[0], PDL_MAX_ROWS, o_proj.weight.device)
+            layer.self_attn.register_buffer("bridge_o_counters", counters, persistent=False)
         count += 1
     return count

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from runner.layers.pdl import release_dependents, use_pdl
 from runner.layers.triton_launch import launch
 
 # MLPs whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)).
@@ -45,7 +46,8 @@ SILU_MUL_ON_CPU = False
 # ----------------------------------------------------------------------------------------- SiLU*mul
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n_inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n_inter, stride_x, stride_o, BLOCK: tl.constexpr, RELEASE: tl.constexpr):
+    release_dependents(RELEASE)  # a PDL down projection after it may start loading its weights
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
@@ -76,7 +78,7 @@ def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n_inter))
     launch(_silu_mul_kernel, (n_rows, triton.cdiv(n_inter, block)))(
-        x2, out, n_inter, x2.stride(0), n_inter, BLOCK=block, num_warps=4
+        x2, out, n_inter, x2.stride(0), n_inter, BLOCK=block, RELEASE=use_pdl(x.device), num_warps=4
     )
     return out
 

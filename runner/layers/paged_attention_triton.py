@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from runner.layers.attention_metadata import AttentionMetadata
+from runner.layers.pdl import release_dependents, use_pdl
 from runner.layers.triton_launch import launch
 
 LOG2E = 1.4426950408889634
@@ -339,7 +340,9 @@ def _decode_kernel(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PAD_D: tl.constexpr,
+    RELEASE: tl.constexpr,
 ):
+    release_dependents(RELEASE)  # a PDL o_proj after it may start loading its weights (runner.layers.pdl)
     # KV heads fastest: the programs of one request run together and read whole (token, all heads) rows.
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
@@ -427,7 +430,9 @@ def _decode_reduce_kernel(
     num_splits,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    RELEASE: tl.constexpr,
 ):
+    release_dependents(RELEASE)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -739,6 +744,7 @@ def paged_attention_triton(
         launch_decode = any(qsl[i + 1] - qsl[i] == 1 for i in range(num_reqs))
 
     if launch_decode:
+        release = use_pdl(query.device)  # let a PDL launch after attention start early (runner.layers.pdl)
         cfg = decode_config or _default_decode_config(query.dtype)
         splits = choose_num_splits(num_reqs, num_kv_heads, query.device, cfg)
         block_g = max(16, triton.next_power_of_2(group))
@@ -754,13 +760,13 @@ def paged_attention_triton(
             out, part_out, part_lse, qk_scale, window, softcap_l2, head_dim, *common_strides, num_q_heads,
             group, splits, SPLIT=splits > 1, BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_G=block_g,
             TILE_N=cfg.tile_n, IS_FP32=is_fp32, SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            RELEASE=release, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
             launch(_decode_reduce_kernel, (num_reqs, num_q_heads))(
                 part_out, part_lse, meta.query_start_loc, out, *out.stride(), num_q_heads, head_dim,
                 splits, SPLITS_PAD=triton.next_power_of_2(max(splits, cfg.max_splits)), HEAD_DIM=d_pad,
-                num_warps=1 if head_dim <= 64 else 2,
+                RELEASE=release, num_warps=1 if head_dim <= 64 else 2,
             )  # fmt: skip
 
     if launch_prefill:
