@@ -241,12 +241,29 @@ def test_decode_windows_match_hf_and_single_steps(family, model_dirs, hf_referen
     assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in windowed] == \
         [(o.token_ids, o.finish_reason, o.stop_reason) for o in single]
     assert windowed[5].finish_reason == "stop" and windowed[5].token_ids[-1] == stop_id
-    # Different max_tokens in one window: each request stops at its own limit.
+    # Different max_tokens in one window: each request stops at its own limit, and the rows of those that
+    # reached it are inert for the rest of the window (no keys read, no KV written): every decode-graph
+    # replay's live rows (context > 0) are then exactly the tokens kept after each request's first.
+    live_rows = []
+    st = llm.runner.staging
+    for b, replayer in llm.runner.decode_graphs.graphs.items():
+        v = st.views(st.dev64, st.dev32, b, b, llm.runner.max_blocks_per_req, 0)
+
+        def recording(replay=replayer.replay, v=v):
+            live = v.seq_lens > 0
+            assert torch.equal(live, v.slot_mapping >= 0)  # inert rows write no KV either
+            live_rows.append(int(live.sum()))
+            replay()
+
+        replayer.replay = recording
     lengths = [1, 2, 3, 5, 7, 9, 11, 13]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    windows = llm.runner.num_decode_windows
     outs = llm.generate(batch, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == lengths
     assert all(o.outputs[0].token_ids == e[:n] for o, e, n in zip(outs, expected, lengths) if len(e) >= n)
+    assert llm.runner.num_decode_windows > windows
+    assert sum(live_rows) == sum(lengths) - len(lengths)
     _assert_all_free(llm)
 
 
