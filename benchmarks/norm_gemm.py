@@ -56,6 +56,7 @@ from runner.layers.norm_gemm import (  # noqa: E402
     default_config,
     norm_gate_up_silu,
     norm_qkv_rope_write,
+    qkv_counters,
 )
 
 LAYERS = 28
@@ -69,13 +70,13 @@ SMALL = dict(hidden=96, n_q=4, n_kv=2, head_dim=32, inter=80, eps=1e-6)  # --che
 SWEEP_GRIDS = {
     "small": {
         "qkv": dict(block_m=(16, 32, 64), block_k=(128, 256), num_warps=(4, 8), num_stages=(3,),
-                    swap_ab=(False, True)),
+                    swap_ab=(False, True), splits=(1, 2, 4)),
         "gate_up": dict(block_m=(16, 32, 64), block_n=(32, 64), block_k=(128, 256), num_warps=(4, 8),
                         num_stages=(3,), swap_ab=(False, True)),
     },
     "wide": {
         "qkv": dict(block_m=(16, 32, 64), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4),
-                    swap_ab=(False, True)),
+                    swap_ab=(False, True), splits=(1, 2, 4, 8)),
         "gate_up": dict(block_m=(16, 32, 64), block_n=(16, 32, 64, 128), block_k=(128, 256), num_warps=(4, 8),
                         num_stages=(3, 4), swap_ab=(False, True)),
     },
@@ -158,9 +159,12 @@ def fused(case: Case, layer: dict, config: NormGemmConfig | None):
     s, eps = case.shape, case.shape["eps"]
     if case.kernel == "gate_up":
         return norm_gate_up_silu(case.x, layer["nw"], eps, layer["w"], config=config)
+    split = config is not None and config.splits > 1  # the split-K form needs its arrival counters
+    counters = layer.setdefault("counters", qkv_counters(s["n_q"] + 2 * s["n_kv"], case.m, case.x.device))
     return norm_qkv_rope_write(case.x, layer["nw"], eps, layer["w"], None, s["n_q"], s["n_kv"], case.cos,
                                case.sin, layer["kc"], layer["vc"], case.slots,
-                               (layer["qn"], layer["kn"], eps), config=config)
+                               (layer["qn"], layer["kn"], eps), config=config,
+                               counters=counters if split else None)
 
 
 def compare(case: Case, config: NormGemmConfig | None) -> dict:
@@ -233,7 +237,8 @@ def try_config(case: Case, cfg: NormGemmConfig | None, dtype, timed: bool):
 def cfg_str(cfg: NormGemmConfig, kernel: str) -> str:
     n = f" N{cfg.block_n}" if kernel == "gate_up" else ""
     swap = " swap" if cfg.swap_ab else ""
-    return f"M{cfg.block_m}{n} K{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{swap}"
+    splits = f" split{cfg.splits}" if cfg.splits > 1 else ""
+    return f"M{cfg.block_m}{n} K{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{swap}{splits}"
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -248,6 +253,8 @@ def run_check(dtype) -> tuple[list, int]:
         case = make_case(kernel, m, SMALL, 2, dev, dtype, pad=True, seed=m)
         configs = [None, NormGemmConfig(block_m=16, block_n=16, block_k=32),
                    NormGemmConfig(block_m=16, block_n=64, block_k=32, swap_ab=True)]
+        if kernel == "qkv":  # K = 96 over steps of 32: splits of 64 and 32 columns
+            configs.append(NormGemmConfig(block_m=16, block_k=32, splits=2))
         for cfg in configs:
             t, diff = try_config(case, cfg, dtype, timed=False)
             ok = t is not None

@@ -25,6 +25,7 @@ from runner.layers.norm_gemm import (
     default_config,
     norm_gate_up_silu,
     norm_qkv_rope_write,
+    qkv_counters,
 )
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -85,10 +86,10 @@ def assert_close_ulps(got, want, dtype, *, ulps=4, min_exact=0.95):
     assert exact >= min_exact, f"only {exact:.1%} of the elements equal bitwise"
 
 
-def compare_qkv(c, config=None):
+def compare_qkv(c, config=None, counters=None):
     ref, got = _with_fresh_caches(c), _with_fresh_caches(c)
     want_q = unfused_qkv(ref)
-    q = norm_qkv_rope_write(**got, config=config)
+    q = norm_qkv_rope_write(**got, config=config, counters=counters)
     dtype = c["x"].dtype
     assert q.shape == want_q.shape and q.dtype == want_q.dtype
     assert_close_ulps(q, want_q, dtype)
@@ -124,6 +125,39 @@ def test_norm_qkv_rope_write_k_loop_and_fp16(m, k, config):
     for dtype, bias in ((torch.bfloat16, True), (torch.float16, False)):
         c = _qkv_case(m, 4, 2, 64, k, dtype, bias=bias, qk_norm=True, seed=k)
         compare_qkv(c, config)
+
+
+@pytest.mark.parametrize("m,k,config", [
+    (17, 96, NormGemmConfig(block_m=8, block_k=32, splits=2)),  # splits of 64 and 32 columns, three M blocks
+    (5, 80, NormGemmConfig(block_m=16, block_k=32, splits=3)),  # the last split's K step masked
+    (1, 64, NormGemmConfig(block_m=16, block_k=16, splits=4)),
+])
+def test_norm_qkv_rope_write_split_k(m, k, config):
+    """The K range split over programs per head (the last to arrive reduces and runs the epilogue): the
+    same results as the unfused launches, counters back at zero after every call, and without counters
+    the same config runs unsplit."""
+    counters = qkv_counters(4 + 2 * 2, m, "cpu")
+    for dtype, bias, qk_norm in ((torch.bfloat16, True, True), (torch.float16, False, False)):
+        c = _qkv_case(m, 4, 2, 64, k, dtype, bias=bias, qk_norm=qk_norm, seed=k + m)
+        compare_qkv(c, config, counters)
+        assert torch.count_nonzero(counters) == 0
+        compare_qkv(c, config, counters)  # the same buffer serves the next call
+        compare_qkv(c, config)
+    with pytest.raises(ValueError, match="counters"):
+        compare_qkv(c, config, torch.zeros(1, dtype=torch.int32))
+
+
+def test_qkv_splits_come_from_the_environment(monkeypatch):
+    from runner.layers import norm_gemm
+
+    table = norm_gemm.QKV_CONFIGS
+    monkeypatch.setenv("BRIDGE_QKV_SPLITS", "4")
+    assert all(cfg.splits == 4 for _, cfg in norm_gemm._qkv_splits_from_env(table))
+    monkeypatch.setenv("BRIDGE_QKV_SPLITS", "0")
+    with pytest.raises(ValueError, match="BRIDGE_QKV_SPLITS"):
+        norm_gemm._qkv_splits_from_env(table)
+    monkeypatch.delenv("BRIDGE_QKV_SPLITS")
+    assert norm_gemm._qkv_splits_from_env(table) is table
 
 
 def _gate_up_case(m, k, inter, dtype, seed=0):
@@ -241,6 +275,76 @@ def test_engine_bf16_greedy_with_norm_gemm_matches_without(tiny_model_root, fuse
         assert abs(first_a - first_b) < 0.05
 
 
+def test_engine_with_split_k_qkv_matches_unsplit(tiny_model_root, fused_on_cpu, monkeypatch):
+    """With split-K q/k/v configured (as BRIDGE_QKV_SPLITS does) every layer gets its arrival counters at
+    fuse time and every norm-GEMM step passes them: greedy tokens equal the unsplit engine's."""
+    from bridge.tiny_models import build_tiny_model
+    from runner.layers import norm_gemm
+    from runner.llm import LLM
+    from runner.sampling_params import SamplingParams
+
+    path = build_tiny_model(tiny_model_root / "qkv_split_qwen3", "qwen3", seed=6, head_dim=32)
+    prompts = [[5, 6, 7, 8], list(range(20, 31)), [90, 91, 92]]
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    passed = []
+    original = fused_layers.norm_qkv_rope_write
+
+    def recording(*args, **kwargs):
+        passed.append(kwargs.get("counters") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_layers, "norm_qkv_rope_write", recording)
+    monkeypatch.setattr(fused_layers, "NORM_GEMM_ON_CPU", True)
+
+    def run(splits: int):
+        table = tuple((b, NormGemmConfig(block_m=16, block_k=32, splits=splits)) for b, _ in QKV_CONFIGS)
+        monkeypatch.setattr(norm_gemm, "QKV_CONFIGS", table)
+        llm = LLM(path, dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4)
+        fused_linear.fuse_linears(llm.runner.model)
+        assert fused_layers.fuse_decoder_layers(llm.runner.model) == 2
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    got = run(2)
+    assert passed and all(passed)
+    passed.clear()
+    assert run(1) == got
+    assert passed and not any(passed)
+
+
+_SPLIT_QKV_FOR_SM90 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import runner.layers.norm_gemm as ng
+
+fn = ng._norm_qkv_rope_write_kernel
+types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", q_out_ptr="*bf16", cos_ptr="*bf16",
+             sin_ptr="*bf16", q_norm_ptr="*bf16", k_norm_ptr="*bf16", slot_ptr="*i64", k_cache_ptr="*bf16",
+             v_cache_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", eps="fp32", head_eps="fp32")
+for splits in (1, 4):
+    consts = dict(HALF=64, HAS_BIAS=False, HAS_NORM=True, BLOCK_M=16, BLOCK_K=256, EVEN_K=True, SWAP_AB=True,
+                  STATS_K=256, STATS_CHUNKS=4, EVEN_STATS=True, INTERPRET=False, SPLITS=splits,
+                  K_PER_SPLIT=1024 // splits)
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    aligned = [n for n in names if n.endswith("_ptr")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    assert kernel.asm["cubin"]
+    print("qkv splits", splits, "atomics" if "atom" in kernel.asm["ptx"] else "none")
+"""
+
+
+def test_split_k_qkv_kernel_compiles_for_sm90():
+    """Split and unsplit q/k/v kernels build for Hopper without a GPU; only the split one has atomics."""
+    from helpers import compile_for_sm90
+
+    lines = compile_for_sm90(_SPLIT_QKV_FOR_SM90).splitlines()
+    assert "qkv splits 1 none" in lines and "qkv splits 4 atomics" in lines, lines
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
@@ -253,6 +357,29 @@ def test_gpu_w1_shapes_match_unfused(m):
     x, nw, w = (t.cuda() for t in _gate_up_case(m, 1024, 3072, torch.bfloat16, seed=m))
     want = silu_mul_triton(F.linear(rms_norm(x, nw, EPS), w))
     assert_close_ulps(norm_gate_up_silu(x, nw, EPS, w), want, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_gpu_split_k_qkv_w1_shapes_in_a_graph(m):
+    """Split-K q/k/v on W1's shapes: within a few ulps of the unfused launches, and a CUDA graph of it
+    replays to the same bits with the counters back at zero."""
+    c = _qkv_case(m, 16, 8, 128, 1024, torch.bfloat16, bias=False, qk_norm=True, device="cuda",
+                  seed=m, pad_rows=(1, 40))
+    cfg = NormGemmConfig(block_m=16, block_k=128, splits=4)
+    counters = qkv_counters(32, 64, "cuda")
+    compare_qkv(c, cfg, counters)
+    assert torch.count_nonzero(counters) == 0
+    got = _with_fresh_caches(c)
+    eager = norm_qkv_rope_write(**got, config=cfg, counters=counters)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = norm_qkv_rope_write(**got, config=cfg, counters=counters)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(q, eager)
+    assert torch.count_nonzero(counters) == 0
 
 
 @pytest.mark.gpu

@@ -49,7 +49,14 @@ from runner.layers.down_gemm import down_residual_supported, new_counters, resid
 from runner.layers.fused_linear import silu_mul
 from runner.layers.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
 from runner.layers.hf_attention import get_attention_backend
-from runner.layers.norm_gemm import head_rmsnorm, norm_gate_up_silu, norm_gemm_supported, norm_qkv_rope_write
+from runner.layers.norm_gemm import (
+    head_rmsnorm,
+    norm_gate_up_silu,
+    norm_gemm_supported,
+    norm_qkv_rope_write,
+    qkv_counters,
+    qkv_splits_configured,
+)
 from runner.layers.paged_attention import paged_attention
 from runner.layers.triton_launch import launch
 
@@ -277,6 +284,7 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
         q = norm_qkv_rope_write(
             x, norm.weight, norm.variance_epsilon, attn.bridge_qkv_weight, attn.bridge_qkv_bias, n_q, n_kv,
             cos[0], sin[0], key_cache, value_cache, meta.slot_mapping, qk_norm,
+            counters=getattr(attn, "bridge_qkv_counters", None),
         )
     else:
         h = rms_norm(x, norm.weight, norm.variance_epsilon)
@@ -330,6 +338,11 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
             counters = new_counters(down.weight.shape[0], max_rows, down.weight.device)
             layer.mlp.register_buffer("bridge_down_counters", counters, persistent=False)
             layer.mlp.bridge_down_max_rows = max_rows  # what the counters are sized for
+        if qkv_splits_configured():  # split-K q/k/v (BRIDGE_QKV_SPLITS): its arrival counters
+            attn = layer.self_attn
+            heads = sum(attn.bridge_qkv_sizes) // attn.head_dim
+            counters = qkv_counters(heads, NORM_GEMM_MAX_ROWS, attn.bridge_qkv_weight.device)
+            attn.register_buffer("bridge_qkv_counters", counters, persistent=False)
         if pdl.ENABLED and o_proj.bias is None:
             counters = new_counters(o_proj.weight.shape[0], PDL_MAX_ROWS, o_proj.weight.device)
             layer.self_attn.register_buffer("bridge_o_counters", counters, persistent=False)

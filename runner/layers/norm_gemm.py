@@ -30,6 +30,7 @@ Only bf16 / fp16 activations qualify: `tl.dot` on fp32 inputs would silently use
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ class NormGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap_ab: bool = False
+    splits: int = 1  # q/k/v only: programs sharing one head's K range (see norm_qkv_rope_write)
 
 
 # Defaults per M range: (largest M, config), first match wins; None = any M. Measured on an H200 with
@@ -71,6 +73,27 @@ class NormGemmConfig:
 QKV_CONFIGS: tuple[tuple[int | None, NormGemmConfig], ...] = (
     (None, NormGemmConfig(block_m=16, block_k=256, num_warps=4, num_stages=3)),
 )
+
+
+def _qkv_splits_from_env(table):
+    """QKV_CONFIGS with `splits` from BRIDGE_QKV_SPLITS when it is set (read at import; A/B runs of the
+    split-K q/k/v kernel, `benchmarks/decode_batches.py --switch BRIDGE_QKV_SPLITS=1:4`)."""
+    raw = os.environ.get("BRIDGE_QKV_SPLITS")
+    if raw is None:
+        return table
+    try:
+        splits = int(raw)
+    except ValueError:
+        splits = 0
+    if splits < 1:
+        raise ValueError(f"BRIDGE_QKV_SPLITS must be an int >= 1, got {raw[:40]!r}")
+    return tuple((bound, dataclasses.replace(cfg, splits=splits)) for bound, cfg in table)
+
+
+# The q/k/v kernel's K range split over `splits` programs per head (the last to arrive reduces the
+# partials in split order and runs the epilogue): 32 programs per 16 rows leave 100 of the H200's SMs
+# idle at small batches. Not measured on a GPU yet, so 1 by default; BRIDGE_QKV_SPLITS overrides it.
+QKV_CONFIGS = _qkv_splits_from_env(QKV_CONFIGS)
 GATE_UP_CONFIGS: tuple[tuple[int | None, NormGemmConfig], ...] = (
     (16, NormGemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)),
     (None, NormGemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),
@@ -197,14 +220,15 @@ def _as_rows(acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, w1_ptrs, w2_ptrs, n_ok, K, BLOCK_M: tl.constexpr,
-                      N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                      SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr):
-    """rms_norm(x) @ W1.T and rms_norm(x) @ W2.T for one program's BLOCK_M rows and N weight rows each
-    (both kernels' K loop: the q/k/v head's two halves, or gate and up), as (BLOCK_M, N) fp32."""
+def _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, w1_ptrs, w2_ptrs, n_ok, K, k_lo, k_hi,
+                      BLOCK_M: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      EVEN_N: tl.constexpr, SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr):
+    """rms_norm(x) @ W1.T and rms_norm(x) @ W2.T over columns [k_lo, k_hi) of K (all of it, or one
+    split's range) for one program's BLOCK_M rows and N weight rows each (both kernels' K loop: the
+    q/k/v head's two halves, or gate and up), as (BLOCK_M, N) fp32."""
     acc1 = _zeros_acc(BLOCK_M, N, SWAP_AB)
     acc2 = _zeros_acc(BLOCK_M, N, SWAP_AB)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         a = _normed_tile(x_rows, nw_ptr, rstd, row_ok, k0, K, BLOCK_K, EVEN_K)
         acc1 = _dot(a, _load_w(w1_ptrs, n_ok, k0, K, BLOCK_K, EVEN_K, EVEN_N), acc1, SWAP_AB, INTERPRET)
         acc2 = _dot(a, _load_w(w2_ptrs, n_ok, k0, K, BLOCK_K, EVEN_K, EVEN_N), acc2, SWAP_AB, INTERPRET)
@@ -233,21 +257,21 @@ def _round_like_gemm(acc, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _norm_qkv_rope_write_kernel(
     x_ptr, nw_ptr, w_ptr, b_ptr, q_out_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, slot_ptr,
-    k_cache_ptr, v_cache_ptr,
+    k_cache_ptr, v_cache_ptr, part_ptr, count_ptr,
     M, K, stride_xm, stride_wn, stride_qm, stride_qh, stride_c, stride_s,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     n_q, n_kv, block_size, eps, head_eps,
     HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, STATS_K: tl.constexpr,
     STATS_CHUNKS: tl.constexpr, EVEN_STATS: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr,
 ):
     # One program: one head's 2 * HALF output columns (q, k or v) for BLOCK_M rows, as two halves so the
-    # rotary pairs column d with d + HALF elementwise.
+    # rotary pairs column d with d + HALF elementwise; with SPLITS > 1, over one split of the K range.
     head = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = (rows < M)[:, None]
     rows64 = rows.to(tl.int64)[:, None]
-    dtype = x_ptr.dtype.element_ty
     # The epilogue's inputs first: their latency hides behind the statistics and the K loop.
     dd = tl.arange(0, HALF)[None, :]
     c1 = tl.load(cos_ptr + rows64 * stride_c + dd, mask=row_ok, other=0.0)
@@ -263,10 +287,49 @@ def _norm_qkv_rope_write_kernel(
     n1 = head * (2 * HALF) + d[:, None]
     w1_ptrs = w_ptr + n1.to(tl.int64) * stride_wn + ks
     w2_ptrs = w1_ptrs + HALF * stride_wn
-    acc1, acc2 = _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, w1_ptrs, w2_ptrs, None, K, BLOCK_M, HALF,
-                                   BLOCK_K, EVEN_K, True, SWAP_AB, INTERPRET)
+    k_lo = tl.program_id(2) * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    acc1, acc2 = _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, w1_ptrs, w2_ptrs, None, K, k_lo, k_hi,
+                                   BLOCK_M, HALF, BLOCK_K, EVEN_K, True, SWAP_AB, INTERPRET)
+    if SPLITS == 1:
+        _qkv_epilogue(acc1, acc2, head, rows64, row_ok, c1, c2, s1, s2, slot, b_ptr, q_norm_ptr, k_norm_ptr,
+                      q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qm, stride_qh, stride_kb, stride_ks,
+                      stride_kh, stride_vb, stride_vs, stride_vh, n_q, n_kv, block_size, head_eps,
+                      x_ptr.dtype.element_ty, HALF, HAS_BIAS, HAS_NORM, INTERPRET)
+    else:
+        # Each split stores its fp32 partials and counts itself in; the last to arrive adds them in split
+        # order (deterministic), runs the epilogue and resets the counter (graph replays find it zero).
+        n_pad = tl.num_programs(0) * (2 * HALF)
+        per_split = tl.num_programs(1) * BLOCK_M * n_pad
+        first = part_ptr + rows64 * n_pad + head * (2 * HALF) + dd
+        mine = first + tl.program_id(2).to(tl.int64) * per_split
+        tl.store(mine, acc1)
+        tl.store(mine + HALF, acc2)
+        tl.debug_barrier()  # every thread's partial is issued before the counter says it is there
+        tile = tl.program_id(1) * tl.num_programs(0) + head
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            total1 = tl.load(first, cache_modifier=".cg")
+            total2 = tl.load(first + HALF, cache_modifier=".cg")
+            for sp in tl.static_range(1, SPLITS):
+                total1 += tl.load(first + sp * per_split, cache_modifier=".cg")
+                total2 += tl.load(first + sp * per_split + HALF, cache_modifier=".cg")
+            _qkv_epilogue(total1, total2, head, rows64, row_ok, c1, c2, s1, s2, slot, b_ptr, q_norm_ptr,
+                          k_norm_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qm, stride_qh, stride_kb,
+                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, n_q, n_kv, block_size,
+                          head_eps, x_ptr.dtype.element_ty, HALF, HAS_BIAS, HAS_NORM, INTERPRET)
+            tl.atomic_xchg(count_ptr + tile, 0)
 
-    d = d[None, :]
+
+@triton.jit
+def _qkv_epilogue(acc1, acc2, head, rows64, row_ok, c1, c2, s1, s2, slot, b_ptr, q_norm_ptr, k_norm_ptr,
+                  q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qm, stride_qh, stride_kb, stride_ks, stride_kh,
+                  stride_vb, stride_vs, stride_vh, n_q, n_kv, block_size, head_eps, dtype: tl.constexpr,
+                  HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """One head's columns from their fp32 sums: bias, the projection's rounding, the optional per-head
+    norm and rotary for q and k, then q to `q_out` and k / v to their cache slots."""
+    d = tl.arange(0, HALF)[None, :]
     if HAS_BIAS:  # added in fp32 before the one rounding, as the GEMM's bias epilogue
         acc1 += tl.load(b_ptr + head * (2 * HALF) + d).to(tl.float32)
         acc2 += tl.load(b_ptr + head * (2 * HALF) + HALF + d).to(tl.float32)
@@ -322,7 +385,7 @@ def _norm_gate_up_silu_kernel(
     ks = tl.arange(0, BLOCK_K)[None, :]
     wg_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks
     wu_ptrs = w_ptr + (cols[:, None] + N).to(tl.int64) * stride_wn + ks  # up rows follow the N gate rows
-    acc_g, acc_u = _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, wg_ptrs, wu_ptrs, n_ok, K, BLOCK_M,
+    acc_g, acc_u = _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, wg_ptrs, wu_ptrs, n_ok, K, 0, K, BLOCK_M,
                                      BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, SWAP_AB, INTERPRET)
 
     # F.linear rounds g and u to the activation dtype; then silu_mul's arithmetic: SiLU in fp32 rounded
@@ -340,10 +403,10 @@ def _norm_gate_up_silu_kernel(
 _WARMED: set = set()
 
 
-def _meta(cfg: NormGemmConfig, k: int, n: int | None) -> dict:
+def _meta(cfg: NormGemmConfig, k: int, n: int | None, split_k: bool | None = None) -> dict:
     """Constexprs and launch options of `cfg` for reduction length `k` (the K step is clamped to the
     smallest power of two >= 16 covering K, so a small model takes one masked step) and, for gate/up,
-    `n` output columns."""
+    `n` output columns; for q/k/v (`split_k` not None) the split of K (`_split_k`)."""
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     # statistics: loads of about 4096 elements (32 a thread at 4 warps), as many as cover K
     stats_k = min(triton.next_power_of_2(k), max(16, 4096 // cfg.block_m))
@@ -352,19 +415,23 @@ def _meta(cfg: NormGemmConfig, k: int, n: int | None) -> dict:
                 INTERPRET=_interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if n is not None:
         meta.update(BLOCK_N=cfg.block_n, EVEN_N=n % cfg.block_n == 0)
+    if split_k is not None:
+        splits, k_per_split = _split_k(cfg, k, split_k)
+        meta.update(SPLITS=splits, K_PER_SPLIT=k_per_split)
     return meta
 
 
-def _launch(kernel, grid: tuple[int, int], args: tuple, fixed: dict, cfg: NormGemmConfig, k: int,
-            table, explicit: bool, warm_key: tuple, n: int | None = None) -> None:
+def _launch(kernel, grid: tuple[int, ...], args: tuple, fixed: dict, cfg: NormGemmConfig, k: int,
+            table, explicit: bool, warm_key: tuple, n: int | None = None,
+            split_k: bool | None = None) -> None:
     """Launch `kernel` with `cfg`; on the first call for a signature with a default config, also build
     (not run) every other default config of `table`, so a batch size in another M range met later in
     serving finds its kernel built (M itself is never specialised)."""
     if not explicit and not _interpreting() and warm_key not in _WARMED:
         _WARMED.add(warm_key)
         for other in {c for _, c in table} - {cfg}:
-            kernel.warmup(*args, grid=(1,), **fixed, **_meta(other, k, n))
-    launch(kernel, grid)(*args, **fixed, **_meta(cfg, k, n))
+            kernel.warmup(*args, grid=(1,), **fixed, **_meta(other, k, n, split_k))
+    launch(kernel, grid)(*args, **fixed, **_meta(cfg, k, n, split_k))
 
 
 def _check_matrix(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -414,6 +481,7 @@ def norm_qkv_rope_write(
     q_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     *,
     config: NormGemmConfig | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`qkv_norm_rope_write(F.linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias), ...)` in one
     launch; returns q (M, num_q_heads, head_dim) and writes k / v to the paged caches.
@@ -422,6 +490,11 @@ def norm_qkv_rope_write(
     (num_blocks, block_size, Hkv, D); `slot_mapping` (M,) flat slots, -1 = padding row (not written);
     `q_norm` = (q weight, k weight, eps) for Qwen3's per-head norms. `config` overrides the tile (the
     column tile is always one head). Same rounding points as the three-launch sequence.
+
+    `counters`: zeroed int32 arrival counters (`qkv_counters`), needed for a config with `splits` > 1:
+    the K range is split over that many programs per head, and the last to arrive adds the partials in
+    split order and runs the epilogue; each call leaves the counters zero (CUDA-graph replays). Without
+    counters the kernel runs unsplit.
     """
     m, k = x.shape if x.dim() == 2 else (0, 0)
     head_dim = key_cache.shape[-1]
@@ -452,10 +525,22 @@ def norm_qkv_rope_write(
     if m == 0:
         return q_out
     cfg = config or default_config(QKV_CONFIGS, m)
+    split_k = counters is not None
+    splits, _ = _split_k(cfg, k, split_k)
+    grid = (n_heads, triton.cdiv(m, cfg.block_m), splits)
+    if splits > 1:
+        tiles = grid[0] * grid[1]
+        if counters.dtype != torch.int32 or counters.device != x.device or counters.numel() < tiles:
+            raise ValueError(f"counters must be int32 on {x.device} with at least {tiles} slots "
+                             f"(qkv_counters), got {counters.numel()} {counters.dtype} on {counters.device}")
+        part = torch.empty((splits, grid[1] * cfg.block_m, n_heads * head_dim), dtype=torch.float32,
+                           device=x.device)
+    else:
+        part = counters = q_out  # unused
     qw, kw, head_eps = q_norm if q_norm is not None else (norm_weight, norm_weight, 0.0)  # unused without
     args = (
         x, norm_weight, qkv_weight, qkv_bias if qkv_bias is not None else qkv_weight, q_out, cos, sin, qw, kw,
-        slot_mapping, key_cache, value_cache,
+        slot_mapping, key_cache, value_cache, part, counters,
         m, k, x.stride(0), qkv_weight.stride(0), q_out.stride(0), q_out.stride(1),
         cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -464,10 +549,32 @@ def norm_qkv_rope_write(
     )  # fmt: skip
     fixed = dict(HALF=half, HAS_BIAS=qkv_bias is not None, HAS_NORM=q_norm is not None)
     warm_key = ("qkv", x.device, x.dtype, k, n_heads, half, qkv_bias is not None, q_norm is not None,
-                key_cache.dtype)
-    grid = (n_heads, triton.cdiv(m, cfg.block_m))
-    _launch(_norm_qkv_rope_write_kernel, grid, args, fixed, cfg, k, QKV_CONFIGS, config is not None, warm_key)
+                key_cache.dtype, split_k)
+    _launch(_norm_qkv_rope_write_kernel, grid, args, fixed, cfg, k, QKV_CONFIGS, config is not None, warm_key,
+            split_k=split_k)
     return q_out
+
+
+def qkv_counters(num_heads: int, max_rows: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed arrival counters for split-K q/k/v calls on `num_heads` heads (Hq + 2 Hkv) and at most
+    `max_rows` rows (one per head and row: enough for any row tile, and a few KB). Make them outside
+    CUDA-graph capture; one buffer per call site (a layer), never shared by two calls in flight."""
+    return torch.zeros(num_heads * max(max_rows, 1), dtype=torch.int32, device=device)
+
+
+def qkv_splits_configured() -> bool:
+    """Whether a default q/k/v config splits K (so a layer needs `qkv_counters`)."""
+    return any(cfg.splits > 1 for _, cfg in QKV_CONFIGS)
+
+
+def _split_k(cfg: NormGemmConfig, k: int, allowed: bool) -> tuple[int, int]:
+    """(splits, K per split) for `cfg` on reduction length `k`: whole K steps per split, no split left
+    without columns; one split when not `allowed` (no counters)."""
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    if not allowed or cfg.splits <= 1:
+        return 1, triton.cdiv(k, block_k) * block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.splits), block_k) * block_k
+    return triton.cdiv(k, k_per_split), k_per_split
 
 
 def norm_gate_up_silu(
@@ -511,4 +618,6 @@ __all__ = [
     "norm_gate_up_silu",
     "norm_gemm_supported",
     "norm_qkv_rope_write",
+    "qkv_counters",
+    "qkv_splits_configured",
 ]
