@@ -325,7 +325,7 @@ types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", q_out_
 for splits in (1, 4):
     consts = dict(HALF=64, HAS_BIAS=False, HAS_NORM=True, BLOCK_M=16, BLOCK_K=256, EVEN_K=True, SWAP_AB=True,
                   STATS_K=256, STATS_CHUNKS=4, EVEN_STATS=True, INTERPRET=False, SPLITS=splits,
-                  K_PER_SPLIT=1024 // splits)
+                  K_PER_SPLIT=1024 // splits, RELEASE=splits > 1)
     names = fn.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     aligned = [n for n in names if n.endswith("_ptr")]
@@ -333,16 +333,19 @@ for splits in (1, 4):
     kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
     assert kernel.asm["cubin"]
-    print("qkv splits", splits, "atomics" if "atom" in kernel.asm["ptx"] else "none")
+    ptx = kernel.asm["ptx"]
+    print("qkv splits", splits, "atomics" if "atom" in ptx else "none",
+          "release" if "griddepcontrol.launch_dependents" in ptx else "-")
 """
 
 
 def test_split_k_qkv_kernel_compiles_for_sm90():
-    """Split and unsplit q/k/v kernels build for Hopper without a GPU; only the split one has atomics."""
+    """Split and unsplit q/k/v kernels build for Hopper without a GPU (only the split one has atomics), and
+    with RELEASE the PDL trigger is in the code."""
     from helpers import compile_for_sm90
 
     lines = compile_for_sm90(_SPLIT_QKV_FOR_SM90).splitlines()
-    assert "qkv splits 1 none" in lines and "qkv splits 4 atomics" in lines, lines
+    assert "qkv splits 1 none -" in lines and "qkv splits 4 atomics release" in lines, lines
 
 
 # ---------------------------------------------------------------------------------------------- GPU

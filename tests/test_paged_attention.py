@@ -473,14 +473,18 @@ def build(fn, types, consts, aligned, **opts):
     kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=opts)
     assert kernel.asm["cubin"], fn.__name__
+    ptx = kernel.asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == bool(consts.get("WAIT")), fn.__name__
+    assert ("griddepcontrol.launch_dependents" in ptx) == bool(consts.get("RELEASE")), fn.__name__
     print(fn.__name__, "ok")
 
 bf16 = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
             seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", part_out_ptr="*fp32",
             part_lse_ptr="*fp32")
-for split, release in ((False, False), (True, False), (False, True)):  # release: the PDL trigger
+for split, release in ((False, False), (True, False), (False, True)):  # release: PDL's trigger and wait
     build(pat._decode_kernel, bf16, dict(UNIT, SPLIT=split, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16,
-          TILE_N=128, IS_FP32=False, RELEASE=release), COMMON, num_warps=4, num_stages=2)
+          TILE_N=128, IS_FP32=False, RELEASE=release, WAIT=release), COMMON, num_warps=4, num_stages=2,
+          launch_pdl=release)
 for release in (False, True):
     build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, SPLITS_PAD=16, HEAD_DIM=128, RELEASE=release),
           COMMON, num_warps=2)

@@ -153,7 +153,7 @@ for head_dim in (128,):
     variant = dict(SLIDING=True, SOFTCAP=True, PAD_D=True)
     for fn, consts, opts in (
         (pat._decode_kernel, dict(UNIT, SPLIT=True, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_G=16,
-                                  TILE_N=64, IS_FP32=False, RELEASE=False, **variant),
+                                  TILE_N=64, IS_FP32=False, RELEASE=False, WAIT=False, **variant),
          dict(num_warps=4, num_stages=2)),
         (pat._prefill_kernel, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_M=64, BLOCK_Q=32, G_PAD=2,
                                    TILE_N=32, SEARCH_BLOCK=256, IS_FP32=False, **variant),

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.layers.pdl import release_dependents, use_pdl
 from runner.layers.triton_launch import launch
 
 # Activation dtypes the fused kernels take (fp32 would run the GEMM in tf32; callers fall back).
@@ -264,10 +265,11 @@ def _norm_qkv_rope_write_kernel(
     HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, STATS_K: tl.constexpr,
     STATS_CHUNKS: tl.constexpr, EVEN_STATS: tl.constexpr, INTERPRET: tl.constexpr,
-    SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+    SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, RELEASE: tl.constexpr,
 ):
     # One program: one head's 2 * HALF output columns (q, k or v) for BLOCK_M rows, as two halves so the
     # rotary pairs column d with d + HALF elementwise; with SPLITS > 1, over one split of the K range.
+    release_dependents(RELEASE)  # a PDL attention launch after it may start (runner.layers.pdl)
     head = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = (rows < M)[:, None]
@@ -547,7 +549,8 @@ def norm_qkv_rope_write(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         num_q_heads, num_kv_heads, key_cache.shape[1], eps, head_eps,
     )  # fmt: skip
-    fixed = dict(HALF=half, HAS_BIAS=qkv_bias is not None, HAS_NORM=q_norm is not None)
+    fixed = dict(HALF=half, HAS_BIAS=qkv_bias is not None, HAS_NORM=q_norm is not None,
+                 RELEASE=use_pdl(x.device))
     warm_key = ("qkv", x.device, x.dtype, k, n_heads, half, qkv_bias is not None, q_norm is not None,
                 key_cache.dtype, split_k)
     _launch(_norm_qkv_rope_write_kernel, grid, args, fixed, cfg, k, QKV_CONFIGS, config is not None, warm_key,

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from runner.layers.attention_metadata import AttentionMetadata
-from runner.layers.pdl import release_dependents, use_pdl
+from runner.layers.pdl import release_dependents, use_pdl, wait_for_predecessor
 from runner.layers.triton_launch import launch
 
 LOG2E = 1.4426950408889634
@@ -341,8 +341,10 @@ def _decode_kernel(
     SOFTCAP: tl.constexpr,
     PAD_D: tl.constexpr,
     RELEASE: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     release_dependents(RELEASE)  # a PDL o_proj after it may start loading its weights (runner.layers.pdl)
+    wait_for_predecessor(WAIT)  # launched with PDL: q and the new token's KV come from the kernel ahead
     # KV heads fastest: the programs of one request run together and read whole (token, all heads) rows.
     kv_head = tl.program_id(0)
     req = tl.program_id(1)
@@ -744,7 +746,10 @@ def paged_attention_triton(
         launch_decode = any(qsl[i + 1] - qsl[i] == 1 for i in range(num_reqs))
 
     if launch_decode:
-        release = use_pdl(query.device)  # let a PDL launch after attention start early (runner.layers.pdl)
+        # With PDL (runner.layers.pdl) the decode kernel starts as the q/k/v kernel ahead ends, waits for it,
+        # and lets a PDL o_proj after it start early in turn.
+        release = use_pdl(query.device)
+        pdl_launch = {"launch_pdl": True} if release else {}
         cfg = decode_config or _default_decode_config(query.dtype)
         splits = choose_num_splits(num_reqs, num_kv_heads, query.device, cfg)
         block_g = max(16, triton.next_power_of_2(group))
@@ -760,7 +765,7 @@ def paged_attention_triton(
             out, part_out, part_lse, qk_scale, window, softcap_l2, head_dim, *common_strides, num_q_heads,
             group, splits, SPLIT=splits > 1, BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_G=block_g,
             TILE_N=cfg.tile_n, IS_FP32=is_fp32, SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
-            RELEASE=release, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            RELEASE=release, WAIT=release, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch,
         )  # fmt: skip
         if splits > 1:
             launch(_decode_reduce_kernel, (num_reqs, num_q_heads))(

@@ -11,6 +11,11 @@ at inference, so a GEMM launched this way loads its weights first and waits only
 The primary decides how early that happens: `gdc_launch_dependents` in its programs (once every program
 has issued it, or exited) lets the dependent launch.
 
+Where it is used (decode steps of up to `fused_layers.PDL_MAX_ROWS` tokens): norm + q/k/v releases decode
+attention, which is launched with PDL and waits at its start (its launch and first wave's ramp overlap the
+q/k/v kernel's end); attention releases o_proj and SiLU*mul releases the down projection, both
+weights-first split-K kernels (`runner.layers.down_gemm.residual_gemm(pdl=True)`).
+
 The rules that keep it correct, for every kernel launched with `launch_pdl=True`:
 - nothing a predecessor writes is read before `gdc_wait` (the weights, which nothing writes, may be);
 - nothing is written before `gdc_wait` (a predecessor may still read it);
