@@ -296,8 +296,9 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
                         sliding_window=layer_sliding_window(attn))
     o = o.view(t, -1)
     o_counters = getattr(attn, "bridge_o_counters", None)
-    on_device = x.is_cuda or NORM_GEMM_ON_CPU
-    with_pdl = (pdl.ENABLED and o_counters is not None and t <= PDL_MAX_ROWS and on_device
+    # (a GPU without PDL keeps cuBLAS; CPU tests run the kernels with ordinary launches)
+    with_pdl = (pdl.ENABLED and o_counters is not None and t <= PDL_MAX_ROWS
+                and (pdl.pdl_supported(x.device) if x.is_cuda else NORM_GEMM_ON_CPU)
                 and down_residual_supported(x, o, attn.o_proj.weight, silu=False))
     if with_pdl:  # attention released it: the o_proj weights stream in as attention ends
         x = residual_gemm(x, o, attn.o_proj.weight, o_counters, pdl=True)
