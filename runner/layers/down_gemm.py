@@ -29,6 +29,11 @@ us per call against the launches it replaces): with a ready activation (the engi
 after `norm_gate_up_silu`) 6.3-6.6 against 7.8-7.9 at M = 1..32; at M = 64 it loses (8.9 against 8.4,
 and 10.3 against 8.6 with the SiLU prologue, which every column tile recomputes), so the engine stops
 at `runner.layers.fused_layers.NORM_GATE_UP_MAX_ROWS`.
+
+`residual_gemm` is the general form: `out = x + act @ W.T` out of place as well (o_proj, whose residual
+is the layer's input), and with `pdl=True` the weights-first form for programmatic dependent launch
+(`runner.layers.pdl`, the BRIDGE_PDL experiment): one K step per split, the weight tile read before the
+wait for the kernel ahead, so the weights stream in while that kernel ends. Not measured on a GPU yet.
 """
 
 from __future__ import annotations
