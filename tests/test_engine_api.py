@@ -348,3 +348,21 @@ def test_output_texts_equal_the_tokenizers_decode(llm):
                                                          skip_special_tokens=p.skip_special_tokens)
     assert fast_decode(llm.tokenizer)([], skip_special_tokens=True) == llm.tokenizer.decode(
         [], skip_special_tokens=True)
+
+
+def test_requests_are_entities_equal_only_to_themselves():
+    """The scheduler removes finished requests from its running list by `==`: a field-wise dataclass
+    comparison cost ~1 us a compare (256 retirements from the back of W2's list: 39 ms of host time, the
+    GPU idle). Two requests with the same fields are different requests."""
+    from runner.engine.request import Request
+    from runner.sampling_params import SamplingParams
+
+    def make():
+        return Request(request_id="same", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(),
+                       index=0)
+
+    a, b = make(), make()
+    assert a == a and a != b and len({a, b}) == 2
+    running = [make() for _ in range(3)] + [a]
+    running.remove(a)
+    assert all(r is not a for r in running) and len(running) == 3
