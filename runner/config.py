@@ -71,6 +71,21 @@ def env_switch(name: str) -> bool:
     return os.environ.get(name, "1") != "0"
 
 
+def env_int(name: str, default: int, low: int) -> int:
+    """A kernel knob from the environment: `default` when unset, else an int >= `low` (ValueError naming
+    the variable otherwise)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {raw[:40]!r}")
+    return value
+
+
 def _check_int(name: str, value: Any, low: int, *, optional: bool = False) -> None:
     if value is None and optional:
         return

@@ -14,17 +14,37 @@ from runner.multimodal.encoder_protocol import tensor_content_hash
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+_SM90_PRELUDE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+# `fn` compiled for Hopper: `types` names the non-int arguments' types (the rest are i32), `consts` the
+# constexprs, `aligned` the arguments marked 16-byte divisible; `options` are Triton's (num_warps, ...).
+def build_sm90(fn, types, consts, aligned=(), **options):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    assert kernel.asm["cubin"], fn.__name__
+    return kernel
+"""
+
+
 def compile_for_sm90(script: str) -> str:
-    """Run `script` (which compiles Triton kernels for Hopper with `triton.compile`) in a fresh process
-    without TRITON_INTERPRET, and return its stdout: a kernel only the interpreter accepts is caught
-    without a GPU. Skips when Triton's bundled ptxas is missing."""
+    """Run `script` (which compiles Triton kernels for Hopper, with the `build_sm90(fn, types, consts,
+    aligned, **options)` defined before it) in a fresh process without TRITON_INTERPRET, and return its
+    stdout: a kernel only the interpreter accepts is caught without a GPU. Skips when Triton's bundled
+    ptxas is missing."""
     import triton
 
     if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("Triton's bundled ptxas is not available")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", _SM90_PRELUDE + script], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

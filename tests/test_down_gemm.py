@@ -299,24 +299,14 @@ def test_gpu_pdl_chain_equals_ordinary_launches_in_a_graph(m, monkeypatch):
 
 _PDL_FOR_SM90 = r"""
 import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import runner.layers.down_gemm as dg
 import runner.layers.fused_linear as fl
-
-def build(fn, types, consts, aligned, **opts):
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
-    return triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=opts)
 
 types = dict(act_ptr="*bf16", w_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
              count_ptr="*i32")
 aligned = [*types, "K", "N", "stride_am", "stride_wn", "stride_xm", "stride_om"]
 for cfg in (dg.default_pdl_config(64), dg.default_pdl_config(1)):
-    kernel = build(dg._down_residual_kernel, types, dict(
+    kernel = build_sm90(dg._down_residual_kernel, types, dict(
         K_PER_SPLIT=cfg.block_k, SPLITS=12, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=True, EVEN_N=True, SILU=False, SWAP_AB=cfg.swap_ab, INTERPRET=False, WEIGHTS_FIRST=True,
         PDL=True), aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=True)
@@ -325,8 +315,8 @@ for cfg in (dg.default_pdl_config(64), dg.default_pdl_config(1)):
     loads = [m.start() for m in re.finditer(r"ld\.global", ptx)]
     before, after = sum(at < wait for at in loads), sum(at > wait for at in loads)
     print("down", cfg.block_m, before, after, kernel.metadata.launch_pdl)
-silu = build(fl._silu_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024, RELEASE=True),
-             ["x_ptr", "out_ptr"], num_warps=4)
+silu = build_sm90(fl._silu_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"),
+                  dict(BLOCK=1024, RELEASE=True), ["x_ptr", "out_ptr"], num_warps=4)
 print("silu", "griddepcontrol.launch_dependents" in silu.asm["ptx"])
 """
 

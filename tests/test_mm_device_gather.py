@@ -259,20 +259,12 @@ def test_realtime_rows_streamed_into_decode_steps(model_dir, path):
 # ----------------------------------------------------------------------------- compiled / on the GPU
 _COMPILE_FOR_SM90 = r"""
 import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from runner.layers.item_gather_kernel import _item_gather_kernel as fn
 
 types = dict(out_ptr="*bf16", idx_mapping_ptr="*i32", query_start_loc_ptr="*i32", num_computed_ptr="*i32",
              table_ptr="*i64")
 consts = dict(HIDDEN=1024, LOG_SPANS=3, BLOCK_T=8, BLOCK_H=1024)
-names = fn.arg_names
-signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("out_ptr", "out_row_stride", "table_ptr")}
-kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-ptx = kernel.asm["ptx"]
+ptx = build_sm90(fn, types, consts, ("out_ptr", "out_row_stride", "table_ptr"), num_warps=4).asm["ptx"]
 count = lambda op: len(re.findall(op + r"\.global[^\n]*\.v4", ptx))
 print("v4 loads", count("ld"), "v4 stores", count("st"))
 """

@@ -135,20 +135,13 @@ def test_model_runner_installs_the_grouped_kernel_with_the_fused_ops(tmp_path):
 
 
 _COMPILE_FOR_SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from runner.layers import moe_grouped as mg
 
 types = dict(x_ptr="*bf16", w_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32", inter_ptr="*bf16",
              weights_ptr="*bf16", out_ptr="*bf16")
 for fn, consts in ((mg._gate_up_kernel, dict(TOP_K=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, IS_FP32=False)),
                    (mg._down_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, IS_FP32=False))):
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, num_stages=3))
-    assert kernel.asm["cubin"]
+    build_sm90(fn, types, consts, num_warps=4, num_stages=3)
     print(fn.__name__, "ok")
 """
 

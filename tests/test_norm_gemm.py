@@ -313,9 +313,6 @@ def test_engine_with_split_k_qkv_matches_unsplit(tiny_model_root, fused_on_cpu, 
 
 
 _SPLIT_QKV_FOR_SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import runner.layers.norm_gemm as ng
 
 fn = ng._norm_qkv_rope_write_kernel
@@ -326,14 +323,8 @@ for splits in (1, 4):
     consts = dict(HALF=64, HAS_BIAS=False, HAS_NORM=True, BLOCK_M=16, BLOCK_K=256, EVEN_K=True, SWAP_AB=True,
                   STATS_K=256, STATS_CHUNKS=4, EVEN_STATS=True, INTERPRET=False, SPLITS=splits,
                   K_PER_SPLIT=1024 // splits, RELEASE=splits > 1)
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    aligned = [n for n in names if n.endswith("_ptr")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
-    assert kernel.asm["cubin"]
-    ptx = kernel.asm["ptx"]
+    aligned = [n for n in fn.arg_names if n.endswith("_ptr")]
+    ptx = build_sm90(fn, types, consts, aligned, num_warps=4, num_stages=3).asm["ptx"]
     print("qkv splits", splits, "atomics" if "atom" in ptx else "none",
           "release" if "griddepcontrol.launch_dependents" in ptx else "-")
 """

@@ -457,9 +457,6 @@ def test_gpu_decode_replays_in_cuda_graph_with_new_lengths(num_splits):
 # --------------------------------------------------------------------------------------------------------
 
 _COMPILE_FOR_SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import runner.layers.paged_attention_triton as pat
 
 COMMON = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kb",
@@ -467,13 +464,7 @@ COMMON = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "stride_qt", "stride
 UNIT = dict(stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)
 
 def build(fn, types, consts, aligned, **opts):
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=opts)
-    assert kernel.asm["cubin"], fn.__name__
-    ptx = kernel.asm["ptx"]
+    ptx = build_sm90(fn, types, consts, aligned, **opts).asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == bool(consts.get("WAIT")), fn.__name__
     assert ("griddepcontrol.launch_dependents" in ptx) == bool(consts.get("RELEASE")), fn.__name__
     print(fn.__name__, "ok")

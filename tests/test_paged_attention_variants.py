@@ -138,9 +138,6 @@ def test_triton_kernels_with_a_head_dim_that_is_not_a_power_of_two(case, head_di
 
 
 _COMPILE_VARIANTS_FOR_SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import runner.layers.paged_attention_triton as pat
 
 ALIGNED = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"]
@@ -159,12 +156,7 @@ for head_dim in (128,):
                                    TILE_N=32, SEARCH_BLOCK=256, IS_FP32=False, **variant),
          dict(num_warps=4, num_stages=2)),
     ):
-        names = fn.arg_names
-        signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
-        kernel = triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32), options=opts)
-        assert kernel.asm["cubin"]
+        build_sm90(fn, types, consts, ALIGNED, **opts)
         print(fn.__name__, head_dim, "ok")
 """
 

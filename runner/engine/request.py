@@ -361,4 +361,3 @@ class Request:
             num_cached_tokens=self.num_cached_tokens or 0,
             error=self.error,
         )
-

@@ -36,13 +36,13 @@ to summation order. The norm-GEMM kernels keep every rounding point of the seque
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from runner.config import env_int, env_switch
 from runner.layers import pdl
 from runner.layers.attention_metadata import current_forward_context
 from runner.layers.down_gemm import down_residual_supported, new_counters, residual_gemm
@@ -69,16 +69,7 @@ FUSED_LAYERS_ON_CPU = False
 
 
 def _norm_gemm_max_rows(default: int = 64) -> int:
-    value = os.environ.get("BRIDGE_NORM_GEMM_MAX_ROWS")
-    if value is None:
-        return default
-    try:
-        rows = int(value)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise ValueError(f"BRIDGE_NORM_GEMM_MAX_ROWS must be an int >= 0, got {value[:40]!r}")
-    return rows
+    return env_int("BRIDGE_NORM_GEMM_MAX_ROWS", default, 0)
 
 
 # Steps of at most this many tokens (decode batches) run each norm + projection + epilogue as one kernel
@@ -93,7 +84,7 @@ NORM_GATE_UP_MAX_ROWS = 32
 # Steps that take norm_gate_up_silu also run the down projection + residual as one kernel
 # (`runner.layers.down_gemm`): 6.3-6.6 us against cuBLAS's 7.8-7.9 at W1's shape on an H200, M = 1..32.
 # BRIDGE_DOWN_GEMM=0 (read at import) keeps cuBLAS (A/B runs).
-DOWN_GEMM = os.environ.get("BRIDGE_DOWN_GEMM", "1") != "0"
+DOWN_GEMM = env_switch("BRIDGE_DOWN_GEMM")
 # Like FUSED_LAYERS_ON_CPU, for the norm-GEMM kernels (tests, under TRITON_INTERPRET=1).
 NORM_GEMM_ON_CPU = False
 # With BRIDGE_PDL=1 (`runner.layers.pdl`, an experiment, off by default) steps of up to this many tokens run

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.config import env_int
 from runner.layers.pdl import release_dependents, use_pdl
 from runner.layers.triton_launch import launch
 
@@ -79,15 +80,9 @@ QKV_CONFIGS: tuple[tuple[int | None, NormGemmConfig], ...] = (
 def _qkv_splits_from_env(table):
     """QKV_CONFIGS with `splits` from BRIDGE_QKV_SPLITS when it is set (read at import; A/B runs of the
     split-K q/k/v kernel, `benchmarks/decode_batches.py --switch BRIDGE_QKV_SPLITS=1:4`)."""
-    raw = os.environ.get("BRIDGE_QKV_SPLITS")
-    if raw is None:
+    if "BRIDGE_QKV_SPLITS" not in os.environ:
         return table
-    try:
-        splits = int(raw)
-    except ValueError:
-        splits = 0
-    if splits < 1:
-        raise ValueError(f"BRIDGE_QKV_SPLITS must be an int >= 1, got {raw[:40]!r}")
+    splits = env_int("BRIDGE_QKV_SPLITS", 1, 1)
     return tuple((bound, dataclasses.replace(cfg, splits=splits)) for bound, cfg in table)
 
 

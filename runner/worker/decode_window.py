@@ -43,6 +43,7 @@ def run_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int) -> list[
     graphs = runner.decode_graphs
     graph, tokens = graphs.graphs[bucket], graphs.window_tokens
     alive = rows_alive(so, k, v.seq_lens.device)
+    dead = None if alive is None else alive == 0  # once per window, not per step
     for j in range(k):
         if j:
             v.input_ids[:r].copy_(tokens[j - 1, :r])
@@ -53,7 +54,7 @@ def run_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int) -> list[
             v.slot_mapping[:r].copy_(block.squeeze(1).long() * bs + pos % bs)
             if alive is not None:  # rows past their max_tokens: no keys to read, no KV to write
                 v.seq_lens[:r].mul_(alive[j])
-                v.slot_mapping[:r].masked_fill_(alive[j] == 0, -1)
+                v.slot_mapping[:r].masked_fill_(dead[j], -1)
         runner.embeds_builder.build(runner.embed_tokens, v.input_ids)
         graph.replay()
         greedy_argmax(graphs.head_logits[:r], tokens[j, :r])
