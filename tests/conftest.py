@@ -44,9 +44,11 @@ def one_cpu_thread():
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """The fused decoder layers and their SiLU*mul kernel on CPU tensors (under TRITON_INTERPRET);
-    a test turns the norm-GEMM kernels on itself (`fused_layers.NORM_GEMM_ON_CPU`), undone here too."""
+    a test turns the norm-GEMM and PDL kernels on itself (`fused_layers.NORM_GEMM_ON_CPU`, `PDL_ON_CPU`),
+    undone here too."""
     from runner.layers import fused_layers, fused_linear
 
     monkeypatch.setattr(fused_layers, "FUSED_LAYERS_ON_CPU", True)
     monkeypatch.setattr(fused_linear, "SILU_MUL_ON_CPU", True)
     monkeypatch.setattr(fused_layers, "NORM_GEMM_ON_CPU", False)
+    monkeypatch.setattr(fused_layers, "PDL_ON_CPU", False)

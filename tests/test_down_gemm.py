@@ -143,8 +143,8 @@ def test_engine_steps_run_the_down_kernel(tiny_model_root, fused_on_cpu, monkeyp
 def test_engine_steps_with_pdl_run_o_proj_and_down_weights_first(tiny_model_root, fused_on_cpu, monkeypatch):
     """With the PDL switch on (`runner.layers.pdl`), every step of up to PDL_MAX_ROWS tokens runs o_proj out
     of place and the down projection in place through the weights-first kernel, on either side of the
-    norm-GEMM cut-off (the CPU runs them with ordinary launches); the greedy tokens equal the engine's
-    without it."""
+    norm-GEMM cut-off (PDL_MAX_ROWS raised past it here, to cover a larger cut-off; the CPU runs the
+    kernels with ordinary launches); the greedy tokens equal the engine's without it."""
     from bridge.tiny_models import build_tiny_model
     from runner.layers import fused_linear
     from runner.llm import LLM
@@ -162,6 +162,8 @@ def test_engine_steps_with_pdl_run_o_proj_and_down_weights_first(tiny_model_root
 
     monkeypatch.setattr(fused_layers, "residual_gemm", counting)
     monkeypatch.setattr(fused_layers, "NORM_GEMM_ON_CPU", True)
+    monkeypatch.setattr(fused_layers, "PDL_ON_CPU", True)
+    monkeypatch.setattr(fused_layers, "PDL_MAX_ROWS", 64)
 
     def run(enabled: bool) -> list[list[int]]:
         monkeypatch.setattr(pdl, "ENABLED", enabled)
@@ -338,7 +340,8 @@ def test_pdl_kernels_compile_for_sm90_with_the_weights_read_before_the_wait():
 
 @pytest.mark.gpu
 def test_gpu_engine_with_pdl_equals_the_same_kernels_launched_normally(tiny_model_root, monkeypatch):
-    """The engine with BRIDGE_PDL on (CUDA graphs, decode windows, 64 requests) gives bitwise the tokens and
+    """The engine with BRIDGE_PDL on (CUDA graphs, decode windows, PDL_MAX_ROWS
+    requests) gives bitwise the tokens and
     logprobs of the same engine whose weights-first kernels launch normally: PDL changes when a kernel
     starts, never what it computes."""
     if not torch.cuda.is_available():
@@ -350,7 +353,8 @@ def test_gpu_engine_with_pdl_equals_the_same_kernels_launched_normally(tiny_mode
     from runner.sampling_params import SamplingParams
 
     path = build_tiny_model(tiny_model_root / "pdl_gpu_qwen3", "qwen3", seed=9, head_dim=64)
-    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 3 for j in range(5 + i % 40)]} for i in range(64)]
+    n = fused_layers.PDL_MAX_ROWS  # decode steps of the whole batch take the PDL kernels
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 3 for j in range(5 + i % 40)]} for i in range(n)]
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
     monkeypatch.setattr(pdl, "ENABLED", True)
     runs = {}

@@ -32,8 +32,8 @@ at `runner.layers.fused_layers.NORM_GATE_UP_MAX_ROWS`.
 
 `residual_gemm` is the general form: `out = x + act @ W.T` out of place as well (o_proj, whose residual
 is the layer's input), and with `pdl=True` the weights-first form for programmatic dependent launch
-(`runner.layers.pdl`, the BRIDGE_PDL experiment): one K step per split, the weight tile read before the
-wait for the kernel ahead, so the weights stream in while that kernel ends. Not measured on a GPU yet.
+(`runner.layers.pdl`, on Hopper by default): one K step per split, the weight tile read before the
+wait for the kernel ahead, so the weights stream in while that kernel ends (tiles: `PDL_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -82,11 +82,13 @@ DOWN_CONFIGS: tuple[tuple[int | None, DownConfig], ...] = (
     (None, DownConfig(block_m=16, block_n=64, block_k=256, splits=4, swap_ab=True)),
 )
 # The weights-first form's tiles (`residual_gemm(pdl=True)`: one K step of `block_k` per split, so a
-# program holds a BLOCK_N x BLOCK_K weight tile, 32 KB here, read before its wait). Not measured yet: a
-# starting point for `benchmarks/pdl_chain.py --sweep` on the GPU.
+# program holds a BLOCK_N x BLOCK_K weight tile, 64 KB here, read before its wait). From the H200 sweep
+# (`benchmarks/pdl_chain.py --sweep`, a layer's tail in a graph, us per layer, cuBLAS / this tile with
+# PDL): rows 1: 75.7 / 67.8, 16: 72.7 / 68.3, 32: 73.4 / 70.7, 64: 74.5 / 74.4 (the 64-row tile only
+# ties cuBLAS; the 16-row one at 64 rows gave 76.1).
 PDL_CONFIGS: tuple[tuple[int | None, DownConfig], ...] = (
-    (16, DownConfig(block_m=16, block_n=64, block_k=256, swap_ab=True, num_stages=1)),
-    (None, DownConfig(block_m=64, block_n=64, block_k=256, num_warps=8, num_stages=1)),
+    (32, DownConfig(block_m=16, block_n=64, block_k=512, num_warps=8, swap_ab=True, num_stages=1)),
+    (None, DownConfig(block_m=64, block_n=64, block_k=512, num_warps=8, num_stages=1)),
 )
 # The smallest row and column tiles any config may use: what `new_counters` sizes for.
 _MIN_TILE = 16

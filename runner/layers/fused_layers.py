@@ -87,11 +87,21 @@ NORM_GATE_UP_MAX_ROWS = 32
 DOWN_GEMM = env_switch("BRIDGE_DOWN_GEMM")
 # Like FUSED_LAYERS_ON_CPU, for the norm-GEMM kernels (tests, under TRITON_INTERPRET=1).
 NORM_GEMM_ON_CPU = False
-# With BRIDGE_PDL=1 (`runner.layers.pdl`, an experiment, off by default) steps of up to this many tokens run
-# o_proj and the down projection as weights-first split-K kernels launched with PDL after the kernels
-# that release them early (decode attention, SiLU*mul): each streams its weights while the kernel ahead
-# of it ends. Not measured against cuBLAS yet (`benchmarks/decode_batches.py --switch BRIDGE_PDL=0:1`).
-PDL_MAX_ROWS = 64
+# Programmatic dependent launch (`runner.layers.pdl`; on by default on Hopper, BRIDGE_PDL=0 turns it off):
+# steps of up to this many tokens run o_proj and the down projection as weights-first split-K kernels
+# launched with PDL after the kernels that release them early (decode attention, SiLU*mul), so each
+# streams its weights while the kernel ahead of it ends. H200, W1's model, whole engine
+# (`benchmarks/decode_batches.py --switch BRIDGE_PDL=0:1`): 1.110x at batch 1, 1.012x at 16, 1.017x at
+# 32, 1.003x at 64 (where the kernel only ties cuBLAS), hence 32.
+PDL_MAX_ROWS = 32
+# Like NORM_GEMM_ON_CPU, for the PDL kernels (tests: ordinary launches under TRITON_INTERPRET=1).
+PDL_ON_CPU = False
+
+
+def _pdl_here(device: torch.device) -> bool:
+    """Whether decode steps on `device` take the PDL kernels: the switch is on and the device launches
+    with PDL (a GPU without it keeps cuBLAS; the CPU only for tests)."""
+    return pdl.ENABLED and (pdl.pdl_supported(device) if device.type == "cuda" else PDL_ON_CPU)
 
 
 # ------------------------------------------------------------------------------- q/k/v -> q and KV cache
@@ -287,9 +297,7 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
                         sliding_window=layer_sliding_window(attn))
     o = o.view(t, -1)
     o_counters = getattr(attn, "bridge_o_counters", None)
-    # (a GPU without PDL keeps cuBLAS; CPU tests run the kernels with ordinary launches)
-    with_pdl = (pdl.ENABLED and o_counters is not None and t <= PDL_MAX_ROWS
-                and (pdl.pdl_supported(x.device) if x.is_cuda else NORM_GEMM_ON_CPU)
+    with_pdl = (o_counters is not None and t <= PDL_MAX_ROWS and _pdl_here(x.device)
                 and down_residual_supported(x, o, attn.o_proj.weight, silu=False))
     if with_pdl:  # attention released it: the o_proj weights stream in as attention ends
         x = residual_gemm(x, o, attn.o_proj.weight, o_counters, pdl=True)
@@ -325,8 +333,9 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
         layer.bridge_original_forward = layer.forward
         layer.forward = functools.partial(_fused_layer_forward, layer)
         down, o_proj = layer.mlp.down_proj, layer.self_attn.o_proj
-        max_rows = max(NORM_GATE_UP_MAX_ROWS, PDL_MAX_ROWS if pdl.ENABLED else 0)
-        if (DOWN_GEMM or pdl.ENABLED) and down.bias is None:  # the kernels' arrival counters, before capture
+        with_pdl = _pdl_here(o_proj.weight.device)
+        max_rows = max(NORM_GATE_UP_MAX_ROWS, PDL_MAX_ROWS if with_pdl else 0)
+        if (DOWN_GEMM or with_pdl) and down.bias is None:  # the kernels' arrival counters, before capture
             counters = new_counters(down.weight.shape[0], max_rows, down.weight.device)
             layer.mlp.register_buffer("bridge_down_counters", counters, persistent=False)
             layer.mlp.bridge_down_max_rows = max_rows  # what the counters are sized for
@@ -335,7 +344,7 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
             heads = sum(attn.bridge_qkv_sizes) // attn.head_dim
             counters = qkv_counters(heads, NORM_GEMM_MAX_ROWS, attn.bridge_qkv_weight.device)
             attn.register_buffer("bridge_qkv_counters", counters, persistent=False)
-        if pdl.ENABLED and o_proj.bias is None:
+        if with_pdl and o_proj.bias is None:
             counters = new_counters(o_proj.weight.shape[0], PDL_MAX_ROWS, o_proj.weight.device)
             layer.self_attn.register_buffer("bridge_o_counters", counters, persistent=False)
         count += 1

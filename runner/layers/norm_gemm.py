@@ -88,7 +88,11 @@ def _qkv_splits_from_env(table):
 
 # The q/k/v kernel's K range split over `splits` programs per head (the last to arrive reduces the
 # partials in split order and runs the epilogue): 32 programs per 16 rows leave 100 of the H200's SMs
-# idle at small batches. Not measured on a GPU yet, so 1 by default; BRIDGE_QKV_SPLITS overrides it.
+# idle at small batches. H200 sweep: M=1 8.97 us with 4 splits (M16 K128 w8) against 9.42 unsplit, M=16
+# 9.34 against 9.96; from M=32 on the unsplit tile is best. The whole engine did not notice (W1's model,
+# `decode_batches.py`, that split tile up to 16 rows against BRIDGE_QKV_SPLITS=1: 1.006x at batch 1,
+# 0.998x at 16, within noise), so
+# the default stays unsplit (no counters, one build fewer); BRIDGE_QKV_SPLITS=N sets every row range.
 QKV_CONFIGS = _qkv_splits_from_env(QKV_CONFIGS)
 GATE_UP_CONFIGS: tuple[tuple[int | None, NormGemmConfig], ...] = (
     (16, NormGemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)),
