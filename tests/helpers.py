@@ -111,3 +111,21 @@ def cpu_runner_with_fused_ops(path):
     config = EngineConfig(str(path), dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
                           max_model_len=128, num_kv_blocks=16, fused_ops=True).resolve(hf_config)
     return ModelRunner(config, hf_config)
+
+
+def fused_cpu_llm(path, *, layers: int = 2):
+    """A bf16 CPU LLM over the tiny model at `path` with merged projections and every decoder layer fused
+    (the kernel tests' engine: their switches are read at fuse time and at each step)."""
+    from runner.layers import fused_layers, fused_linear
+    from runner.llm import LLM
+
+    llm = LLM(path, dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4)
+    fused_linear.fuse_linears(llm.runner.model)
+    assert fused_layers.fuse_decoder_layers(llm.runner.model) == layers
+    return llm
+
+
+def greedy_token_ids(llm, prompts, params) -> list[list[int]]:
+    """The output token ids of `llm` for token-id `prompts`, in order."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]

@@ -99,9 +99,9 @@ def test_down_residual_updates_x_in_place_and_rejects_bad_input():
 def test_engine_steps_run_the_down_kernel(tiny_model_root, fused_on_cpu, monkeypatch):
     """A bf16 tiny Qwen3 with the norm-GEMM path: decode steps run the down kernel, and the greedy tokens
     equal those of the same engine with cuBLAS's addmm (BRIDGE_DOWN_GEMM=0 is the switch)."""
+    from helpers import fused_cpu_llm, greedy_token_ids
+
     from bridge.tiny_models import build_tiny_model
-    from runner.layers import fused_linear
-    from runner.llm import LLM
     from runner.sampling_params import SamplingParams
 
     path = build_tiny_model(tiny_model_root / "down_gemm_qwen3", "qwen3", seed=7, head_dim=32)
@@ -120,14 +120,11 @@ def test_engine_steps_run_the_down_kernel(tiny_model_root, fused_on_cpu, monkeyp
 
     def run(down: bool, max_rows: int | None = None) -> list[list[int]]:
         monkeypatch.setattr(fused_layers, "DOWN_GEMM", down)
-        llm = LLM(path, dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4)
-        fused_linear.fuse_linears(llm.runner.model)
-        assert fused_layers.fuse_decoder_layers(llm.runner.model) == 2
+        llm = fused_cpu_llm(path)
         if max_rows is not None:  # counters sized for fewer rows than a step brings: cuBLAS for that step
             for layer in llm.runner.model.model.layers:
                 layer.mlp.bridge_down_max_rows = max_rows
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
+        return greedy_token_ids(llm, prompts, params)
 
     got = run(True)
     assert calls and max(calls) <= fused_layers.NORM_GATE_UP_MAX_ROWS
@@ -145,9 +142,9 @@ def test_engine_steps_with_pdl_run_o_proj_and_down_weights_first(tiny_model_root
     of place and the down projection in place through the weights-first kernel, on either side of the
     norm-GEMM cut-off (PDL_MAX_ROWS raised past it here, to cover a larger cut-off; the CPU runs the
     kernels with ordinary launches); the greedy tokens equal the engine's without it."""
+    from helpers import fused_cpu_llm, greedy_token_ids
+
     from bridge.tiny_models import build_tiny_model
-    from runner.layers import fused_linear
-    from runner.llm import LLM
     from runner.sampling_params import SamplingParams
 
     path = build_tiny_model(tiny_model_root / "pdl_qwen3", "qwen3", seed=8, head_dim=32)
@@ -167,11 +164,7 @@ def test_engine_steps_with_pdl_run_o_proj_and_down_weights_first(tiny_model_root
 
     def run(enabled: bool) -> list[list[int]]:
         monkeypatch.setattr(pdl, "ENABLED", enabled)
-        llm = LLM(path, dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4)
-        fused_linear.fuse_linears(llm.runner.model)
-        assert fused_layers.fuse_decoder_layers(llm.runner.model) == 2
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
+        return greedy_token_ids(fused_cpu_llm(path), prompts, params)
 
     got = run(True)
     o_calls = [c for c in calls if not c[2]]  # o_proj: out of place (the residual is the layer's input)

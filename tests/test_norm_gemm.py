@@ -278,9 +278,10 @@ def test_engine_bf16_greedy_with_norm_gemm_matches_without(tiny_model_root, fuse
 def test_engine_with_split_k_qkv_matches_unsplit(tiny_model_root, fused_on_cpu, monkeypatch):
     """With split-K q/k/v configured (as BRIDGE_QKV_SPLITS does) every layer gets its arrival counters at
     fuse time and every norm-GEMM step passes them: greedy tokens equal the unsplit engine's."""
+    from helpers import fused_cpu_llm, greedy_token_ids
+
     from bridge.tiny_models import build_tiny_model
     from runner.layers import norm_gemm
-    from runner.llm import LLM
     from runner.sampling_params import SamplingParams
 
     path = build_tiny_model(tiny_model_root / "qkv_split_qwen3", "qwen3", seed=6, head_dim=32)
@@ -299,11 +300,7 @@ def test_engine_with_split_k_qkv_matches_unsplit(tiny_model_root, fused_on_cpu, 
     def run(splits: int):
         table = tuple((b, NormGemmConfig(block_m=16, block_k=32, splits=splits)) for b, _ in QKV_CONFIGS)
         monkeypatch.setattr(norm_gemm, "QKV_CONFIGS", table)
-        llm = LLM(path, dtype="bfloat16", device="cpu", num_kv_blocks=32, max_num_seqs=4)
-        fused_linear.fuse_linears(llm.runner.model)
-        assert fused_layers.fuse_decoder_layers(llm.runner.model) == 2
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
+        return greedy_token_ids(fused_cpu_llm(path), prompts, params)
 
     got = run(2)
     assert passed and all(passed)

@@ -296,8 +296,8 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     o = paged_attention(q, key_cache, value_cache, meta, attn.scaling, backend=get_attention_backend(),
                         sliding_window=layer_sliding_window(attn))
     o = o.view(t, -1)
-    o_counters = getattr(attn, "bridge_o_counters", None)
-    with_pdl = (o_counters is not None and t <= PDL_MAX_ROWS and _pdl_here(x.device)
+    o_counters = getattr(attn, "bridge_o_counters", None)  # set at fuse time where PDL runs (_pdl_here)
+    with_pdl = (o_counters is not None and t <= PDL_MAX_ROWS
                 and down_residual_supported(x, o, attn.o_proj.weight, silu=False))
     if with_pdl:  # attention released it: the o_proj weights stream in as attention ends
         x = residual_gemm(x, o, attn.o_proj.weight, o_counters, pdl=True)
