@@ -238,6 +238,32 @@ def test_split_counts_fill_one_wave_at_most():
         assert splits == min(cfg.max_splits, max(1, slots // (num_reqs * 8)))  # the most that fit
 
 
+def test_default_decode_config_by_grid_size(monkeypatch):
+    """The small-tile launch only for grids of 3 x SMs < pairs <= 4 x SMs (request, KV head) pairs at
+    head_dim 128 in 16-bit (the interpreter's device has 4 "SMs"); its switch off, or an explicit
+    BRIDGE_DECODE_CONFIG, keeps it out. Malformed configs name the variable."""
+    from runner.layers import paged_attention_triton as pat
+
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    sms = pat._num_sms(cpu)
+    for pairs in (3 * sms + 1, 4 * sms):
+        assert pat._default_decode_config(bf16, pairs, 128, cpu) == pat.SMALL_TILE_CONFIG
+    for pairs in (1, 3 * sms, 4 * sms + 1, 64 * sms):
+        assert pat._default_decode_config(bf16, pairs, 128, cpu) == DecodeConfig()
+    assert pat._default_decode_config(bf16, 4 * sms, 64, cpu) == DecodeConfig()
+    assert pat._default_decode_config(torch.float32, 4 * sms, 128, cpu).tile_n == 32
+    monkeypatch.setattr(pat, "SMALL_TILES", False)
+    assert pat._default_decode_config(bf16, 4 * sms, 128, cpu) == DecodeConfig()
+    env = pat.decode_config_from_env("64,8,3,2,1")
+    assert env == DecodeConfig(tile_n=64, num_warps=8, num_stages=3, programs_per_sm=2, bt_ahead=True)
+    monkeypatch.setattr(pat, "_ENV_DECODE_CONFIG", env)
+    assert pat._default_decode_config(bf16, 4 * sms, 128, cpu) == env
+    assert pat.decode_config_from_env(None) is None and pat.decode_config_from_env("") is None
+    for bad in ("64,8,3,2", "48,4,2,2,0", "64,0,2,2,0", "64,4,2,2,2", "a,b,c,d,e"):
+        with pytest.raises(ValueError, match="BRIDGE_DECODE_CONFIG"):
+            pat.decode_config_from_env(bad)
+
+
 def test_split_count_is_not_compiled_into_the_decode_kernels():
     """The count is a runtime argument: a server's eager steps meet every batch size, and each new
     constexpr value was a kernel build of seconds mid-traffic. Only split-or-not is compiled in."""
@@ -254,11 +280,12 @@ def test_split_count_is_not_compiled_into_the_decode_kernels():
     assert "SPLIT" in inspect.signature(pat._decode_kernel.fn).parameters
 
 
+@pytest.mark.parametrize("bt_ahead", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(("block_size", "tile_n"), [(16, 16), (16, 32), (32, 16)])
-def test_triton_decode_matches_torch_path(num_splits, block_size, tile_n):
+def test_triton_decode_matches_torch_path(num_splits, block_size, tile_n, bt_ahead):
     batch = make_batch([(70, 1), (0, 1), (17, 1), (31, 1)], block_size=block_size, seed=4, decode_only=True)
-    decode = DecodeConfig(tile_n=tile_n, num_warps=4, num_stages=1, num_splits=num_splits)
+    decode = DecodeConfig(tile_n=tile_n, num_warps=4, num_stages=1, num_splits=num_splits, bt_ahead=bt_ahead)
     torch.testing.assert_close(run_triton(batch, decode=decode), run_torch(batch), atol=2e-5, rtol=2e-5)
 
 
@@ -414,6 +441,41 @@ def test_gpu_kernels_match_torch_path(dtype, head_dim, case):
 
 
 @pytest.mark.gpu
+def test_gpu_small_tile_decode_on_a_one_wave_grid_matches_torch_path():
+    """64 requests x 8 KV heads: on a GPU with 128-170 SMs the default launch is the small-tile one
+    (32-key tiles, block ids a tile ahead, 4 programs per SM); it must agree with the torch path, in a
+    CUDA graph too."""
+    from runner.layers import paged_attention_triton as pat
+
+    specs = [(40 + 37 * i % 300, 1) for i in range(64)]
+    batch = _to_cuda(make_batch(specs, num_q_heads=16, num_kv_heads=8, head_dim=128, decode_only=True,
+                                seed=21), torch.bfloat16)  # fmt: skip
+    cfg = pat._default_decode_config(torch.bfloat16, 64 * 8, 128, batch.query.device)
+    sms = pat._num_sms(batch.query.device)
+    if not 3 * sms < 64 * 8 <= 4 * sms or not pat.SMALL_TILES:
+        pytest.skip(f"{sms} SMs: 512 pairs do not take the small tiles here")
+    assert cfg == pat.SMALL_TILE_CONFIG
+    out = torch.full_like(batch.query, float("nan"))
+
+    def step():
+        paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, out=out)
+
+    step()
+    torch.cuda.synchronize()
+    ref = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale,
+                          backend="torch")  # fmt: skip
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_gpu_decode_replays_in_cuda_graph_with_new_lengths(num_splits):
     dtype = torch.bfloat16
@@ -472,10 +534,12 @@ def build(fn, types, consts, aligned, **opts):
 bf16 = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
             seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32", part_out_ptr="*fp32",
             part_lse_ptr="*fp32")
-for split, release in ((False, False), (True, False), (False, True)):  # release: PDL's trigger and wait
+# release: PDL's trigger and wait; ahead: block ids a tile ahead
+for split, release, ahead in ((False, False, False), (True, False, False), (False, True, False),
+                              (True, True, True)):
     build(pat._decode_kernel, bf16, dict(UNIT, SPLIT=split, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16,
-          TILE_N=128, IS_FP32=False, RELEASE=release, WAIT=release), COMMON, num_warps=4, num_stages=2,
-          launch_pdl=release)
+          TILE_N=128, IS_FP32=False, RELEASE=release, WAIT=release, BT_AHEAD=ahead), COMMON, num_warps=4,
+          num_stages=3 if ahead else 2, launch_pdl=release)
 for release in (False, True):
     build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, SPLITS_PAD=16, HEAD_DIM=128, RELEASE=release),
           COMMON, num_warps=2)
@@ -489,4 +553,4 @@ build(pat._write_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_p
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     stdout = compile_for_sm90(_COMPILE_FOR_SM90)
-    assert stdout.count(" ok") == 7, stdout
+    assert stdout.count(" ok") == 8, stdout

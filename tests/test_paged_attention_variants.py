@@ -72,7 +72,9 @@ def test_triton_kernels_match_dense_reference(case, window, softcap):
     out = paged_attention_triton(
         batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale,
         torch.full_like(batch.query, float("nan")), sliding_window=window, softcap=softcap,
-        decode_config=DecodeConfig(tile_n=16, num_warps=4, num_stages=1, num_splits=splits),
+        # decode-only cases load block ids a tile ahead; the mixed ones do not
+        decode_config=DecodeConfig(tile_n=16, num_warps=4, num_stages=1, num_splits=splits,
+                                   bt_ahead=splits > 1),
         prefill_config=TINY_PREFILL,
     )  # fmt: skip
     _check(out, dense_reference(batch, window, softcap), batch)
@@ -150,7 +152,8 @@ for head_dim in (128,):
     variant = dict(SLIDING=True, SOFTCAP=True, PAD_D=True)
     for fn, consts, opts in (
         (pat._decode_kernel, dict(UNIT, SPLIT=True, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_G=16,
-                                  TILE_N=64, IS_FP32=False, RELEASE=False, WAIT=False, **variant),
+                                  TILE_N=64, IS_FP32=False, RELEASE=False, WAIT=False, BT_AHEAD=True,
+                                  **variant),
          dict(num_warps=4, num_stages=2)),
         (pat._prefill_kernel, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_M=64, BLOCK_Q=32, G_PAD=2,
                                    TILE_N=32, SEARCH_BLOCK=256, IS_FP32=False, **variant),

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runner.config import env_switch
 from runner.layers.attention_metadata import AttentionMetadata
 from runner.layers.pdl import release_dependents, use_pdl, wait_for_predecessor
 from runner.layers.triton_launch import launch
@@ -177,6 +178,16 @@ def write_kv_triton(
 
 
 @triton.jit
+def _tile_blocks(bt_row_ptr, start, kv_limit, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                 MASK_KV: tl.constexpr):
+    """The block ids of keys [start, start + TILE_N), one per key (0 past `kv_limit` when MASK_KV)."""
+    offs_n = start + tl.arange(0, TILE_N)
+    if MASK_KV:
+        return tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=offs_n < kv_limit, other=0)
+    return tl.load(bt_row_ptr + offs_n // BLOCK_SIZE)
+
+
+@triton.jit
 def _attend_tile(
     q,
     m_i,
@@ -184,7 +195,7 @@ def _attend_tile(
     acc,
     k_cache_ptr,
     v_cache_ptr,
-    bt_row_ptr,
+    blk,
     start,
     kv_limit,
     q_pos,
@@ -213,6 +224,9 @@ def _attend_tile(
 ):
     """One key tile [start, start + TILE_N) against the query rows `q` (BLOCK_M, HEAD_DIM).
 
+    `blk` holds the tile's block ids, one per key (`_tile_blocks`); the decode loop loads them a tile
+    ahead so a tile's K/V loads never wait on the block table.
+
     MASK_KV: keys at or past `kv_limit` are masked (the tail tile). CAUSAL: key j is visible to row r
     only when j <= q_pos[r]. WINDOW: key j is visible to row r only when j > q_pos[r] - window (the lower
     edge of a sliding window); a row may then see no key of the tile, so the running max is guarded.
@@ -225,9 +239,7 @@ def _attend_tile(
     offs_d = tl.arange(0, HEAD_DIM)
     if MASK_KV:
         n_mask = offs_n < kv_limit
-        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    else:
-        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
+    blk = blk.to(tl.int64)
     in_blk = offs_n % BLOCK_SIZE
     k_ptrs = (
         k_cache_ptr
@@ -342,6 +354,7 @@ def _decode_kernel(
     PAD_D: tl.constexpr,
     RELEASE: tl.constexpr,
     WAIT: tl.constexpr,
+    BT_AHEAD: tl.constexpr,
 ):
     release_dependents(RELEASE)  # a PDL o_proj after it may start loading its weights (runner.layers.pdl)
     wait_for_predecessor(WAIT)  # launched with PDL: q and the new token's KV come from the kernel ahead
@@ -388,16 +401,30 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     bt_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_bt
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32)  # unused: decode sees every cached key
+    if BT_AHEAD:
+        # Each tile's block ids are loaded one tile ahead, so its K/V loads issue without first waiting
+        # on the block table (a load is only waited on where its value is used), and Triton's pipeliner
+        # keeps num_stages - 1 tiles in flight instead of none.
+        blk_next = _tile_blocks(bt_row_ptr, lo, hi, BLOCK_SIZE, TILE_N, True)
     for start in range(lo, full_hi, TILE_N):
+        if BT_AHEAD:
+            blk = blk_next
+            blk_next = _tile_blocks(bt_row_ptr, start + TILE_N, hi, BLOCK_SIZE, TILE_N, True)
+        else:
+            blk = _tile_blocks(bt_row_ptr, start, hi, BLOCK_SIZE, TILE_N, False)
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, hi, q_pos, kv_head, qk_scale,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, blk, start, hi, q_pos, kv_head, qk_scale,
             window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
             BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
     if full_hi < hi:
+        if BT_AHEAD:
+            blk = blk_next
+        else:
+            blk = _tile_blocks(bt_row_ptr, full_hi, hi, BLOCK_SIZE, TILE_N, True)
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, full_hi, hi, q_pos, kv_head, qk_scale,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, blk, full_hi, hi, q_pos, kv_head, qk_scale,
             window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
             BLOCK_SIZE, HEAD_DIM, TILE_N, True, False, IS_FP32, False, SOFTCAP, PAD_D,
@@ -565,7 +592,9 @@ def _prefill_kernel(
         edge_end = lo + tl.cdiv(win_full - lo, TILE_N) * TILE_N
         for start in range(lo, edge_end, TILE_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head,
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr,
+                _tile_blocks(bt_row_ptr, start, kv_end, BLOCK_SIZE, TILE_N, True),
+                start, kv_end, q_pos, kv_head,
                 qk_scale, window, softcap_l2, head_dim,
                 stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                 BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, True, SOFTCAP, PAD_D,
@@ -575,14 +604,18 @@ def _prefill_kernel(
     full_end = lo + tl.maximum(first_pos + 1 - lo, 0) // TILE_N * TILE_N
     for start in range(lo, full_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr,
+            _tile_blocks(bt_row_ptr, start, kv_end, BLOCK_SIZE, TILE_N, False),
+            start, kv_end, q_pos, kv_head, qk_scale,
             window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
             BLOCK_SIZE, HEAD_DIM, TILE_N, False, False, IS_FP32, False, SOFTCAP, PAD_D,
         )  # fmt: skip
     for start in range(full_end, kv_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, kv_end, q_pos, kv_head, qk_scale,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr,
+            _tile_blocks(bt_row_ptr, start, kv_end, BLOCK_SIZE, TILE_N, True),
+            start, kv_end, q_pos, kv_head, qk_scale,
             window, softcap_l2, head_dim,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
             BLOCK_SIZE, HEAD_DIM, TILE_N, True, True, IS_FP32, False, SOFTCAP, PAD_D,
@@ -618,6 +651,8 @@ class DecodeConfig:
     max_splits: int = 16
     # Programs resident per SM at these settings: splitting aims to fill one wave of them, no more.
     programs_per_sm: int = 2
+    # Load each tile's block ids one tile ahead (see `_decode_kernel`).
+    bt_ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -674,9 +709,52 @@ def _default_prefill_config(
     return PrefillConfig(block_m=block_m, tile_n=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
 
 
-def _default_decode_config(dtype: torch.dtype) -> DecodeConfig:
+def decode_config_from_env(raw: str | None) -> DecodeConfig | None:
+    """`BRIDGE_DECODE_CONFIG="tile_n,num_warps,num_stages,programs_per_sm,bt_ahead"` (A/B runs of the 16-bit
+    decode kernel's launch parameters); None when unset. A malformed value is a ValueError naming it."""
+    if not raw:
+        return None
+    try:
+        tile_n, warps, stages, per_sm, ahead = (int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"BRIDGE_DECODE_CONFIG must be five integers 'tile_n,num_warps,num_stages,"
+                         f"programs_per_sm,bt_ahead', got {raw!r}") from None
+    if tile_n < 16 or tile_n & (tile_n - 1) or min(warps, stages, per_sm) < 1 or ahead not in (0, 1):
+        raise ValueError(f"BRIDGE_DECODE_CONFIG out of range: {raw!r}")
+    return DecodeConfig(tile_n=tile_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
+                        bt_ahead=bool(ahead))
+
+
+_ENV_DECODE_CONFIG = decode_config_from_env(os.environ.get("BRIDGE_DECODE_CONFIG"))
+
+#: 32-key tiles, 4 programs per SM, block ids a tile ahead for grids that fill one wave of those
+#: (`BRIDGE_DECODE_SMALL_TILES=0` keeps the 128-key tile there); see `_default_decode_config`
+SMALL_TILES = env_switch("BRIDGE_DECODE_SMALL_TILES")
+SMALL_TILE_CONFIG = DecodeConfig(tile_n=32, num_warps=4, num_stages=4, programs_per_sm=4, bt_ahead=True)
+
+
+def _default_decode_config(
+    dtype: torch.dtype, pairs: int = 0, head_dim: int = 128, device: torch.device | None = None
+) -> DecodeConfig:
+    """The decode launch for a grid of `pairs` (request, KV head) pairs on `device`.
+
+    128-key tiles (2 programs per SM) by default. For grids that fill more than 3/4 of one wave of 4
+    programs per SM (3 x SMs < pairs <= 4 x SMs: 50-66 requests at 8 KV heads on an H200) at head_dim 128,
+    32-key tiles with 4 programs per SM and the block ids loaded a tile ahead (so Triton keeps 3 tiles in
+    flight): measured on an H200 (`benchmarks/decode_attention.py`), 1.07x on W1's 64 x ~580 keys, 1.19x
+    on 64 x ~290 and a tie on 64 x ~1150; W1 1.030x end to end (`generate.py`). Elsewhere the same tiles
+    lose (0.91x on 32 x ~580, 0.94x on 256 x U[100, 2048]) or win only on short contexts (1.03x on
+    128 x ~580, a second wave), and W2, whose 65-128-request steps have long contexts, lost 1.8% when
+    they ran up to 1,024 pairs, so they stay out. A graph bucket's config can depend on its batch size
+    only, never on lengths.
+    """
     if dtype == torch.float32:
         return DecodeConfig(tile_n=32, num_warps=4, num_stages=2)
+    if _ENV_DECODE_CONFIG is not None:
+        return _ENV_DECODE_CONFIG
+    sms = _num_sms(device or torch.device("cpu"))
+    if SMALL_TILES and head_dim == 128 and 3 * sms < pairs <= 4 * sms:
+        return SMALL_TILE_CONFIG
     return DecodeConfig()
 
 
@@ -750,7 +828,8 @@ def paged_attention_triton(
         # and lets a PDL o_proj after it start early in turn.
         release = use_pdl(query.device)
         pdl_launch = {"launch_pdl": True} if release else {}
-        cfg = decode_config or _default_decode_config(query.dtype)
+        pairs = num_reqs * num_kv_heads
+        cfg = decode_config or _default_decode_config(query.dtype, pairs, d_pad, query.device)
         splits = choose_num_splits(num_reqs, num_kv_heads, query.device, cfg)
         block_g = max(16, triton.next_power_of_2(group))
         if splits > 1:
@@ -765,7 +844,8 @@ def paged_attention_triton(
             out, part_out, part_lse, qk_scale, window, softcap_l2, head_dim, *common_strides, num_q_heads,
             group, splits, SPLIT=splits > 1, BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_G=block_g,
             TILE_N=cfg.tile_n, IS_FP32=is_fp32, SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
-            RELEASE=release, WAIT=release, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch,
+            RELEASE=release, WAIT=release, BT_AHEAD=cfg.bt_ahead, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_launch,
         )  # fmt: skip
         if splits > 1:
             launch(_decode_reduce_kernel, (num_reqs, num_q_heads))(
