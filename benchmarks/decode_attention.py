@@ -5,14 +5,14 @@ while 256 requests of mixed lengths ran at ~94-98% (`kv_layout.py`). Compiled fo
 pipelined loop waited for every outstanding copy at the top of each tile (`async_wait num = 0`): the
 next tile's K/V addresses came from a block-table load in the same iteration, so no tile was in flight
 while one was computed. With the block ids loaded a tile ahead (`DecodeConfig.bt_ahead`) and 3+ stages,
-Triton keeps several tiles in flight. This measures the default and those variants on W1's bucket, the
-same with other lengths and batch sizes, W2-like mixed lengths, and few long requests (where the kernel
-splits the key range).
+Triton keeps several tiles in flight. This measures the 128-key base, the engine's choice and those
+variants on W1's bucket, the same with other lengths and batch sizes, W2-like mixed lengths, and few
+long requests (where the kernel splits the key range).
 
 Every kernel runs as a CUDA-graph replay (`do_bench_cudagraph`, the way the engine runs decode steps),
 block tables as the engine fills them (a request's pages in allocation order from a fresh pool), Qwen3
 0.6B's attention shape in bf16. Reported: us per call, % of the copy rate for the K/V bytes read, the
-ratio to the default, the max difference from the default's output, and each compiled kernel's registers,
+ratio to the base, the max difference from the base's output, and each compiled kernel's registers,
 spills and shared memory.
 
     python benchmarks/decode_attention.py [--quick] [--json out.json]
@@ -32,6 +32,9 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from attention import measure_copy_bandwidth  # noqa: E402
 
 import runner.layers.paged_attention_triton as pat  # noqa: E402
 from runner.layers.attention_metadata import AttentionMetadata  # noqa: E402
@@ -42,22 +45,22 @@ POOL_BLOCKS = 66940  # the W1 engine's pool
 COMPILED: dict[str, object] = {}
 
 
-def _spy(module, name: str) -> None:
-    """Record the compiled decode kernel each launch returns (registers, spills, shared memory)."""
-    original = module.launch
+def _record_decode_builds() -> None:
+    """Keep the compiled decode kernel each launch returns (registers, spills, shared memory)."""
+    original = pat.launch
 
     def launch(kernel, grid):
         call = original(kernel, grid)
 
         def run(*args, **kwargs):
             compiled = call(*args, **kwargs)
-            if kernel is module._decode_kernel:
-                COMPILED[name] = compiled
+            if kernel is pat._decode_kernel:
+                COMPILED["decode"] = compiled
             return compiled
 
         return run
 
-    module.launch = launch
+    pat.launch = launch
 
 
 def metadata(specs: list[int], seed: int) -> AttentionMetadata:
@@ -78,13 +81,6 @@ def metadata(specs: list[int], seed: int) -> AttentionMetadata:
     )  # fmt: skip
 
 
-def copy_rate(do_bench) -> float:
-    """Bytes per second a 1 GiB device-to-device copy moves (read + write)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (do_bench(lambda: dst.copy_(src)) * 1e-3)
-
-
 def workloads(quick: bool) -> dict[str, list[int]]:
     r = random.Random(1)
     work = {
@@ -103,10 +99,11 @@ def workloads(quick: bool) -> dict[str, list[int]]:
 
 
 def variants(quick: bool) -> list[tuple[str, pat.DecodeConfig]]:
-    """The kernel's launch parameters to compare: the default, then block ids a tile ahead (which lets
+    """The kernel's launch parameters to compare: the 128-key base (the ratios' reference), the engine's
+    choice for the shape (None: `_default_decode_config`), then block ids a tile ahead (which lets
     Triton's pipeliner keep several tiles in flight) at several tiles, warps, stages and occupancies."""
     cfg = pat.DecodeConfig
-    out = [("default t128/w4/s2", cfg()), ("t32/w4/s4", cfg(32, 4, 4))]
+    out = [("base t128/w4/s2", cfg()), ("engine default", None), ("t32/w4/s4", cfg(32, 4, 4))]
     ahead = [(128, 4, 3, 1), (64, 4, 3, 2), (64, 4, 4, 2), (32, 4, 4, 4)]
     if not quick:
         ahead += [(128, 8, 3, 1), (64, 8, 4, 2), (32, 4, 6, 2), (64, 4, 3, 3)]
@@ -118,16 +115,16 @@ def variants(quick: bool) -> list[tuple[str, pat.DecodeConfig]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="two shapes, six configurations")
+    ap.add_argument("--quick", action="store_true", help="two shapes, seven configurations")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
-    from triton.testing import do_bench, do_bench_cudagraph
+    from triton.testing import do_bench_cudagraph
 
-    _spy(pat, "decode")
-    copy_bw = copy_rate(do_bench)
+    _record_decode_builds()
+    copy_bw = measure_copy_bandwidth()
     print(f"copy rate {copy_bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}", flush=True)
     shape = (POOL_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
     kc = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
@@ -165,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
             row = {"workload": name, "kernel": label, "us": round(us, 2), "pct_of_copy": round(pct, 1),
                    "max_diff": err, "compiled": info}  # fmt: skip
             rows.append(row)
-            if label.startswith("default"):
+            if label.startswith("base"):
                 base = us
             if best is None or us < best[1]:
                 best = (label, us)
             print(f"  {name:22s} {label:24s} {us:8.2f} us {pct:5.1f}% of copy  x{base / us:5.3f} vs "
-                  f"default  diff {err:.4f}  {info}", flush=True)
+                  f"base  diff {err:.4f}  {info}", flush=True)
         print(f"  best for {name}: {best[0]} ({best[1]:.2f} us)\n", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"copy_TBps": copy_bw / 1e12, "rows": rows}, indent=1))

@@ -734,7 +734,7 @@ SMALL_TILE_CONFIG = DecodeConfig(tile_n=32, num_warps=4, num_stages=4, programs_
 
 
 def _default_decode_config(
-    dtype: torch.dtype, pairs: int = 0, head_dim: int = 128, device: torch.device | None = None
+    dtype: torch.dtype, pairs: int, head_dim: int, device: torch.device
 ) -> DecodeConfig:
     """The decode launch for a grid of `pairs` (request, KV head) pairs on `device`.
 
@@ -742,17 +742,17 @@ def _default_decode_config(
     programs per SM (3 x SMs < pairs <= 4 x SMs: 50-66 requests at 8 KV heads on an H200) at head_dim 128,
     32-key tiles with 4 programs per SM and the block ids loaded a tile ahead (so Triton keeps 3 tiles in
     flight): measured on an H200 (`benchmarks/decode_attention.py`), 1.07x on W1's 64 x ~580 keys, 1.19x
-    on 64 x ~290 and a tie on 64 x ~1150; W1 1.030x end to end (`generate.py`). Elsewhere the same tiles
-    lose (0.91x on 32 x ~580, 0.94x on 256 x U[100, 2048]) or win only on short contexts (1.03x on
-    128 x ~580, a second wave), and W2, whose 65-128-request steps have long contexts, lost 1.8% when
-    they ran up to 1,024 pairs, so they stay out. A graph bucket's config can depend on its batch size
-    only, never on lengths.
+    on 64 x ~290 and a tie on 64 x ~1150; W1 1.018x end to end, W2 unchanged (`generate.py`). Elsewhere
+    the same tiles lose (0.91x on 32 x ~580, 0.94x on 256 x U[100, 2048]) or win only on short contexts
+    (1.03x on 128 x ~580, a second wave), and W2, whose 65-128-request steps have long contexts, lost 1.8%
+    when they ran up to 1,024 pairs, so they stay out. A graph bucket's config can depend on its batch
+    size only, never on lengths.
     """
     if dtype == torch.float32:
         return DecodeConfig(tile_n=32, num_warps=4, num_stages=2)
     if _ENV_DECODE_CONFIG is not None:
         return _ENV_DECODE_CONFIG
-    sms = _num_sms(device or torch.device("cpu"))
+    sms = _num_sms(device)
     if SMALL_TILES and head_dim == 128 and 3 * sms < pairs <= 4 * sms:
         return SMALL_TILE_CONFIG
     return DecodeConfig()
@@ -829,7 +829,7 @@ def paged_attention_triton(
         release = use_pdl(query.device)
         pdl_launch = {"launch_pdl": True} if release else {}
         pairs = num_reqs * num_kv_heads
-        cfg = decode_config or _default_decode_config(query.dtype, pairs, d_pad, query.device)
+        cfg = decode_config or _default_decode_config(query.dtype, pairs, head_dim, query.device)
         splits = choose_num_splits(num_reqs, num_kv_heads, query.device, cfg)
         block_g = max(16, triton.next_power_of_2(group))
         if splits > 1:
