@@ -186,6 +186,30 @@ def test_no_live_embeds_launches_nothing():
     assert len(calls) == 1
 
 
+def test_table_writes_wait_for_the_next_launch_and_go_up_together():
+    """Adding and releasing requests writes nothing to the device tables; the next `apply` writes every
+    noted entry first (one upload and one scatter per table), so its launch sees the current requests."""
+    state = make_state("triton")
+    launched = []
+    state._launch = lambda *args: launched.append([t.clone() for t in args[4:7]])
+    a, b = torch.randn(3, 24), torch.randn(2, 24)
+    state.add_request(0, "a", a)
+    state.add_request(2, "b", b, torch.tensor([True, False]))
+    assert not state._rows_addr.any() and not state._num_rows.any()  # nothing written yet
+    idx, qsl, nc = batch([2, 2], [0, 2], {}, 4)
+    state.apply(torch.zeros(4, 24), idx, qsl, nc)
+    rows_addr, num_rows, mask_addr = launched[-1]
+    assert num_rows.tolist() == [3, 0, 2, 0]
+    assert rows_addr[0] != 0 and rows_addr[2] != 0 and rows_addr[1] == rows_addr[3] == 0
+    assert mask_addr[0] == 0 and mask_addr[2] != 0
+    state.remove_request("a")
+    state.add_request(2, "c", torch.randn(4, 24))  # "b" released by its slot's new occupant
+    assert num_rows.tolist() == state._num_rows.tolist()  # still the previous launch's tables
+    state.apply(torch.zeros(4, 24), idx, qsl, nc)
+    assert launched[-1][1].tolist() == [0, 0, 4, 0] and launched[-1][2][2] == 0
+    assert launched[-1][0][0] == 0
+
+
 def test_rows_are_cast_once_to_the_state_dtype():
     state = make_state("torch", dtype=torch.bfloat16)
     e = torch.randn(3, 24, dtype=torch.float64)
@@ -342,18 +366,23 @@ def test_cuda_graph_replay_serves_requests_added_after_capture():
     torch.cuda.current_stream().wait_stream(s)
     state.remove_request("warm")
     out.zero_()
+    with pytest.raises(RuntimeError, match="sync_tables"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        state.apply(out, idx, qsl, nc)  # warm's zero entry is not on the device yet
+    state.sync_tables()
     with torch.cuda.graph(graph):
         state.apply(out, idx, qsl, nc)  # no live embeds yet, but capture still records the launch
     e = torch.randn(5, hidden, device=device)
     state.add_request(1, "late", e)
     nc.copy_(i32([0, 2, 0, 0], device))
     out.zero_()
+    state.sync_tables()
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[3:6], e[2:5].to(torch.bfloat16))
     assert torch.equal(out[0:3], torch.zeros_like(out[0:3]))
     state.remove_request("late")
     out.zero_()
+    state.sync_tables()
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, torch.zeros_like(out))

@@ -12,14 +12,22 @@ Per-request tensors keep memory bounded by exactly the live requests (no pool to
 or size in advance); the price is that the kernel turns an int64 address back into a pointer,
 which Triton supports (and the interpreter too).
 
-Memory safety: the kernel only reaches a tensor through its slot's table entry. Releasing a
-request (remove, or another request taking its slot) first zeroes the entry on the current
-stream, then drops the tensor. PyTorch's caching allocator only hands that memory to work
-enqueued later on the same stream, so a launch already in flight finishes reading first. If
-`apply` ever ran on another stream (for example a CUDA-graph capture stream), the released
-tensors are `record_stream`-ed on it, so the allocator also waits for that stream. Table updates
-are stream-ordered, so requests should be added/removed on the stream that launches (or replays)
-the overlay, which is the normal single-stream runner set-up.
+Table writes are batched: `add_request` and releases only note the slot's new entry on the host,
+and `sync_tables` (called by `apply` before its launch) writes every noted entry with one upload
+and one scatter per table. Why: three one-element device writes per request, at admission and
+again at release, were ~400 launches of host time per 64-request call, most of it with the GPU
+idle (before the first step, after the last). A graph that captured `apply` reads the tables at
+replay, so call `sync_tables` before replaying it after adding or removing requests.
+
+Memory safety: the kernel only reaches a tensor through its slot's table entry, and every launch
+is preceded by `sync_tables`, so a launch never reads an entry of a released request: releasing
+a request notes a zero entry, which the next launch's `sync_tables` writes first. PyTorch's
+caching allocator only hands the released memory to work enqueued later on the same stream, so
+a launch already in flight finishes reading first. If `apply` ever ran on another stream (for
+example a CUDA-graph capture stream), the released tensors are `record_stream`-ed on it, so the
+allocator also waits for that stream. Table updates are stream-ordered, so requests should be
+added/removed on the stream that launches (or replays) the overlay, which is the normal
+single-stream runner set-up.
 """
 
 from __future__ import annotations
@@ -94,6 +102,8 @@ class PromptEmbedsState:
         self._rows_addr = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self._num_rows = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self._mask_addr = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        # slot -> (rows address, row count, mask address) not yet written to the tables
+        self._unsynced: dict[int, tuple[int, int, int]] = {}
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -158,9 +168,8 @@ class PromptEmbedsState:
         if self.use_triton:
             # Fresh allocations are at least 64-byte aligned; the kernel relies on 16.
             assert dev_rows.data_ptr() % 16 == 0
-            self._rows_addr[req_index].fill_(dev_rows.data_ptr())
-            self._num_rows[req_index].fill_(dev_rows.shape[0])
-            self._mask_addr[req_index].fill_(0 if dev_mask is None else dev_mask.data_ptr())
+            self._unsynced[req_index] = (dev_rows.data_ptr(), dev_rows.shape[0],
+                                         0 if dev_mask is None else dev_mask.data_ptr())
 
     def remove_request(self, req_id: str) -> bool:
         """Release `req_id`'s slot. By id, so remove/reuse in either order is safe.
@@ -187,11 +196,8 @@ class PromptEmbedsState:
         rows, mask = self._rows[slot], self._masks[slot]
         if rows is None:
             return
-        if self.use_triton:
-            # Zero the entry first (stream-ordered), then let the memory go.
-            self._num_rows[slot].fill_(0)
-            self._rows_addr[slot].fill_(0)
-            self._mask_addr[slot].fill_(0)
+        if self.use_triton:  # a zero entry, written before the next launch (`sync_tables`)
+            self._unsynced[slot] = (0, 0, 0)
         if self.device.type == "cuda":
             for stream in self._apply_streams:
                 rows.record_stream(stream)
@@ -261,6 +267,7 @@ class PromptEmbedsState:
             return
         if self.device.type == "cuda":
             self._apply_streams.add(torch.cuda.current_stream(self.device))
+        self.sync_tables()
         self._launch(
             inputs_embeds,
             idx_mapping,
@@ -271,6 +278,23 @@ class PromptEmbedsState:
             self._mask_addr,
             self.kernel_config,
         )
+
+    def sync_tables(self) -> None:
+        """Write the table entries noted since the last call (added and released requests) to the
+        device tables: one small upload and one scatter per table, stream-ordered on the current
+        stream. `apply` calls it first; call it before replaying a graph that captured `apply`."""
+        if not self._unsynced:
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("sync_tables during a CUDA-graph capture: call it before the capture")
+        entries = torch.tensor([(slot, *entry) for slot, entry in self._unsynced.items()], dtype=torch.int64)
+        self._unsynced.clear()
+        if self.device.type == "cuda":  # pinned, so the copy is asynchronous (the host never waits)
+            entries = entries.pin_memory().to(self.device, non_blocking=True)
+        slots = entries[:, 0]
+        self._rows_addr.index_copy_(0, slots, entries[:, 1])
+        self._num_rows.index_copy_(0, slots, entries[:, 2].to(torch.int32))
+        self._mask_addr.index_copy_(0, slots, entries[:, 3])
 
     def build_kernel(self) -> None:
         """One overlay launch on scratch tensors with the dtypes, alignment and row stride of a step's, for
