@@ -190,6 +190,26 @@ def test_gpu_upload_rows_packs_a_call_through_the_ring_and_checks_each_source():
 
 
 @pytest.mark.gpu
+def test_gpu_threaded_fill_of_many_ring_laps_keeps_every_byte(monkeypatch):
+    """Threads fill half a ring of chunks at a time while this thread queues each chunk's copy: a call
+    several times the ring, starting mid-ring, with pieces crossing sources, arrives byte for byte."""
+    from runner.worker import host_upload
+
+    monkeypatch.setattr(host_upload, "PARALLEL_COPY_BYTES", 1 << 20)
+    monkeypatch.setattr(host_upload, "PIECE_BYTES", 300_000)
+    monkeypatch.setattr(host_upload, "COPY_THREADS", 3)
+    up = HostUploader(torch.device("cuda"), ring_bytes=8 << 20)  # chunks of 2 MiB, groups of 4 MiB
+    g = torch.Generator().manual_seed(5)
+    first = torch.randn(1000, 256, generator=g)  # ~1 MiB: moves the ring's head off 0
+    srcs = [torch.randn(n, 256, generator=g) for n in (7000, 1, 9000, 0, 15000)]  # ~30 MiB
+    _, _, ok = up.upload_rows([first], torch.float32)
+    whole, views, ok2 = up.upload_rows(srcs, torch.float32)
+    assert up.read_flag_tensor([ok, ok2]) == [True] * 6
+    assert all(torch.equal(view.cpu(), src) for view, src in zip(views, srcs))
+    assert up.pinned_bytes == 8 << 20
+
+
+@pytest.mark.gpu
 def test_gpu_a_call_beyond_the_keep_budget_is_staged_in_batches(monkeypatch):
     """A call larger than the keep budget: its leading prompts that fit go up as one kept tensor, the
     rest are checked on the device in chunks and stay host tensors (uploaded again when admitted); a

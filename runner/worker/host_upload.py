@@ -44,6 +44,7 @@ _ALIGN = 256
 COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 PARALLEL_COPY_BYTES = 4 << 20
 PIECE_BYTES = 1 << 20
+PIPELINED_FILL = True
 
 
 class HostUploader:
@@ -57,6 +58,7 @@ class HostUploader:
         self.device = device
         self.cuda = self.device.type == "cuda"
         self.ring_bytes = max(_ALIGN * 16, int(ring_bytes))
+        self.chunk_bytes = self.ring_bytes // 4  # bytes per device copy from the ring
         self._ring: torch.Tensor | None = None
         self._ring_np = None  # numpy view of the ring (host copies)
         self._head = 0
@@ -207,39 +209,61 @@ class HostUploader:
 
         The pieces are plain numpy memcpys (numpy releases the GIL while it copies), not torch's
         OpenMP-parallel copy, whose barrier waits for every thread and cost milliseconds when other
-        processes kept the cores busy. A chunk of `PARALLEL_COPY_BYTES` or more is filled by
-        `COPY_THREADS` threads: one thread's memcpy is a fraction of the host's memory bandwidth."""
+        processes kept the cores busy. An upload of `PARALLEL_COPY_BYTES` or more is filled by
+        `COPY_THREADS` threads: one thread's memcpy is a fraction of the host's memory bandwidth.
+        The threads get the pieces of half a ring's worth of chunks at once and this thread starts
+        each chunk's device copy as soon as its pieces are in, so the threads never wait at a chunk
+        boundary for the copy to be queued (with `PIPELINED_FILL` off: one chunk at a time)."""
         dst_bytes = dst.reshape(-1).view(torch.uint8)
         pieces = [s.reshape(-1).view(torch.uint8).numpy() for s in srcs]
-        chunk = self.ring_bytes // 4
+        total = dst_bytes.numel()
+        chunk = self.chunk_bytes
+        threaded = total >= PARALLEL_COPY_BYTES and COPY_THREADS > 1
+        # Half the ring per group: the next group fills the other half while this one's copies run.
+        per_group = max(1, self.ring_bytes // chunk // 2) if threaded and PIPELINED_FILL else 1
 
         def fill(job: tuple[int, int, int, int]) -> None:
             start, src, first, length = job
             self._ring_np[start : start + length] = pieces[src][first : first + length]
 
-        k, offset, at = 0, 0, 0  # source index, offset inside it, bytes of dst written
-        total = dst_bytes.numel()
-        while at < total:
-            n = min(chunk, total - at)
-            lo = self._reserve(n)
-            jobs, filled = [], 0  # (ring offset, source, start, length), at most PIECE_BYTES each
+        cursor = [0, 0]  # source index, offset inside it
+
+        def jobs_for(lo: int, n: int) -> list[tuple[int, int, int, int]]:
+            """The pieces of the next `n` source bytes, to ring offset `lo` on: at most PIECE_BYTES each."""
+            jobs, filled = [], 0
             while filled < n:
-                while offset == pieces[k].size:  # empty sources, or the end of one
-                    k, offset = k + 1, 0
-                take = min(n - filled, pieces[k].size - offset, PIECE_BYTES)
-                jobs.append((lo + filled, k, offset, take))
-                filled, offset = filled + take, offset + take
-            if len(jobs) > 1 and n >= PARALLEL_COPY_BYTES and COPY_THREADS > 1:
-                list(self._copy_pool().map(fill, jobs))
-            else:
-                for job in jobs:
-                    fill(job)
-            dst_bytes[at : at + n].copy_(self._ring[lo : lo + n], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            self._pending.append((lo, lo + n, event))
-            self.bytes_uploaded += n
-            at += n
+                while cursor[1] == pieces[cursor[0]].size:  # empty sources, or the end of one
+                    cursor[0], cursor[1] = cursor[0] + 1, 0
+                take = min(n - filled, pieces[cursor[0]].size - cursor[1], PIECE_BYTES)
+                jobs.append((lo + filled, cursor[0], cursor[1], take))
+                filled, cursor[1] = filled + take, cursor[1] + take
+            return jobs
+
+        at = 0  # bytes of dst queued
+        while at < total:
+            sizes = []
+            while len(sizes) < per_group and at + sum(sizes) < total:
+                sizes.append(min(chunk, total - at - sum(sizes)))
+            base = self._reserve(sum(sizes))  # one region for the group: its chunks never overlap
+            groups, lo = [], base
+            for n in sizes:
+                jobs = jobs_for(lo, n)
+                if threaded:
+                    groups.append((lo, n, [self._copy_pool().submit(fill, job) for job in jobs]))
+                else:
+                    for job in jobs:
+                        fill(job)
+                    groups.append((lo, n, []))
+                lo += n
+            for lo, n, futures in groups:
+                for f in futures:
+                    f.result()
+                dst_bytes[at : at + n].copy_(self._ring[lo : lo + n], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._pending.append((lo, lo + n, event))
+                self.bytes_uploaded += n
+                at += n
 
     def _copy_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
