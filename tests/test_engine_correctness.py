@@ -267,6 +267,89 @@ def test_decode_windows_match_hf_and_single_steps(family, model_dirs, hf_referen
     _assert_all_free(llm)
 
 
+def test_pipelined_decode_windows_match_synchronous_windows(model_dirs, hf_reference):
+    """A window launched behind the one in flight (planned before that one's tokens are read) gives the
+    synchronous windows' tokens, stops and finish reasons: a stop on a token of the window read drops
+    the next window's tokens, requests ended by length are left out of the next window, an abort with a
+    window in flight frees everything, and prefix caching keys only blocks of known tokens."""
+    from runner.engine.request import Request
+
+    model, prompts, expected = hf_reference["qwen3"]
+    llm = LLM(model_dirs["qwen3"], dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=8,
+              decode_window=3, enable_prefix_caching=True)
+    llm.runner.capture_cuda_graphs(emulate=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    stop_id = expected[5][7]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 4, 16, 7, 16)]
+    params += [SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop_id])] * (len(prompts) - 5)
+
+    def run() -> list[tuple]:
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                for o in llm.generate(batch, params, use_tqdm=False)]
+
+    llm.core.pipeline_windows = False
+    synchronous = run()
+    assert llm.core.num_pipelined_windows == 0
+    llm.core.pipeline_windows = True
+    discarded = llm.scheduler.num_discarded_tokens
+    pipelined = run()
+    assert llm.core.num_pipelined_windows > 0
+    assert pipelined == synchronous
+    assert pipelined[5][1] == "stop" and pipelined[5][0][-1] == stop_id
+    assert [len(t) for t, _, _ in pipelined[:5]] == [2, 4, 16, 7, 16]
+    assert all(t == e[: len(t)] for (t, _, _), e in zip(pipelined, expected))
+    assert llm.scheduler.num_discarded_tokens > discarded  # the stopped request's next-window tokens
+    _assert_all_free(llm)
+    hits = llm.core.block_manager.num_hit_blocks
+    assert run() == synchronous  # again, from the blocks the pipelined run keyed
+    assert llm.core.block_manager.num_hit_blocks > hits
+
+    # An abort with a window in flight: the request's tokens are dropped, its blocks and slot freed.
+    for i, p in enumerate(prompts[:3]):
+        llm.core.add_request(Request(f"a{i}", i, list(p), SamplingParams(max_tokens=16, temperature=0.0,
+                                                                          ignore_eos=True)))
+    while llm.core.window is None:
+        llm.core.step()
+    assert llm.core.abort("a1") is not None
+    while llm.core.has_unfinished():
+        llm.core.step()
+    assert llm.core.window is None
+    _assert_all_free(llm)
+
+
+@pytest.mark.gpu
+def test_gpu_a_window_launched_behind_another_does_not_wait_for_it(model_dirs, hf_reference):
+    """Launching the next window queues everything, never waits for the window in flight: a copy from
+    pageable memory (the rows of the requests that go on, the inert-row mask) first waits for the
+    whole stream, which had serialised the two windows. A ~0.2 s sleep kernel queued behind the first
+    window makes any such wait plain; the tokens still equal the synchronous windows'."""
+    import time
+
+    _, prompts, expected = hf_reference["qwen3"]
+    llm = LLM(model_dirs["qwen3"], dtype="float32", device="cuda", kv_cache_memory=64 << 20, decode_window=4)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (3, 6, 16, 9, 16, 11, 16, 5)]
+    llm.core.pipeline_windows = False
+    synchronous = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    llm.core.pipeline_windows = True
+    launch, waits = llm.runner.launch_decode_window, []
+
+    def launch_behind(so, k, prev=None):
+        if prev is None:
+            return launch(so, k, prev)
+        torch.cuda._sleep(400_000_000)  # about 0.2 s at 2 GHz
+        t0 = time.perf_counter()
+        out = launch(so, k, prev)
+        waits.append(time.perf_counter() - t0)
+        return out
+
+    llm.runner.launch_decode_window = launch_behind
+    pipelined = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert pipelined == synchronous and len(waits) >= 2
+    assert max(waits) < 0.1, waits
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_rotary_matches_hf(family, hf_reference):
     import sys

@@ -103,6 +103,7 @@ class EngineTicker:
         self.core = llm.core
         self._compiles = llm.kernel_compiles  # None off CUDA, or without Triton's hooks
         self.full_decode_window = self.core.decode_window
+        self.pipeline_windows = self.core.pipeline_windows
         self.arrival_decode_window = min(self.full_decode_window, DEFAULT_ARRIVAL_DECODE_WINDOW
                                          if arrival_decode_window is None else max(1, arrival_decode_window))
         self.processor = llm.processor
@@ -163,6 +164,9 @@ class EngineTicker:
         step_s = None
         if self.core.has_unfinished():
             self.core.decode_window = self.arrival_decode_window if arriving else self.full_decode_window
+            # While requests arrive, a window launched behind the one in flight would hold them back
+            # one window more.
+            self.core.pipeline_windows = self.pipeline_windows and not arriving
             stepped = time.perf_counter()
             try:
                 deltas = self.core.step()
@@ -173,7 +177,7 @@ class EngineTicker:
                 error = type(exc).__name__
                 for rid in list(self.core.scheduler.requests):
                     self.core.abort(rid)
-                self.core.in_flight = None
+                self.core.in_flight = self.core.window = None
         if self._trace is not None:
             s, compiles = self.core.scheduler, self._compiles
             self._trace.write(json.dumps({

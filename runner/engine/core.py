@@ -25,6 +25,14 @@ with penalties needs every output id on the host, so while its last token is pen
 overlapped step out. The core drains, then plans synchronously, when overlapping needs the
 tokens' values: a preemption, a decode window that can run, or nothing plannable.
 
+Decode windows overlap the same way (at most one window in flight besides the one being read). A
+`step()` with a window in flight plans the next window as if that one's tokens were in (they count
+as pending outputs; requests they end by length are left out), launches it behind the first, whose
+last tokens become its first inputs on the device, then reads the first window and applies its
+tokens. A request that stops on a token of the window read was already launched into the next:
+those tokens are dropped. No window is launched behind while requests wait for admission (the
+waiting ones would wait one window more) or when the server turns `pipeline_windows` off.
+
 Tokens equal the synchronous loop's for greedy and seeded sampling (a seeded request owns its
 generator). Unseeded sampling draws from the global generator, whose draws depend on the batch.
 
@@ -36,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.config import EngineConfig
+from runner.config import EngineConfig, env_switch
 from runner.engine.block_manager import BlockManager
 from runner.engine.prefix_cache import PrefixCachingBlockManager
 from runner.engine.request import Request, RequestStatus
@@ -45,6 +53,7 @@ from runner.engine.step_io import SchedulerOutput
 from runner.multimodal.encoder_cache import EncoderFailure
 from runner.multimodal.state import MultimodalState
 from runner.outputs import RequestDelta
+from runner.worker.decode_window import LaunchedWindow
 from runner.worker.model_runner import ModelRunner
 from runner.worker.step_sampling import LaunchedStep
 
@@ -84,6 +93,12 @@ class EngineCore:
         self.in_flight: LaunchedStep | None = None
         # Steps launched while the previous one was still on the device (async scheduling).
         self.num_async_steps = 0
+        # The decode window on the device whose tokens the host has not read; whether the next window
+        # may be launched behind it (the server turns this off while requests arrive;
+        # BRIDGE_PIPELINE_WINDOWS=0 for A/B runs); and how many were.
+        self.window: LaunchedWindow | None = None
+        self.pipeline_windows = env_switch("BRIDGE_PIPELINE_WINDOWS")
+        self.num_pipelined_windows = 0
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -97,7 +112,7 @@ class EngineCore:
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or self.window is not None
 
     # ----------------------------------------------------------------------------- the step
     def step(self) -> list[RequestDelta]:
@@ -130,10 +145,12 @@ class EngineCore:
     def _advance(self) -> list[Request]:
         """One step of the policy; returns the requests whose outputs it may have changed."""
         scheduler, runner = self.scheduler, self.runner
+        if self.window is not None:
+            return self._next_window()
         if self.in_flight is None:
             window = self._run_decode_window()
             if window is not None:
-                return window.requests
+                return window
             so = scheduler.schedule()
             if so.num_reqs == 0:
                 if scheduler.has_unfinished():
@@ -177,17 +194,43 @@ class EngineCore:
         k = scheduler.decode_window_size(self.decode_window, self.max_model_len)
         if k > 1 and self.mm.realtime and self.mm.has_pending_rows(scheduler.running):
             return 1  # decode windows skip the encoder-row gather
-        return k if k > 1 and runner.can_replay(len(scheduler.running)) else 1
+        return k if k > 1 and runner.can_replay(len(scheduler.window_requests())) else 1
 
-    def _run_decode_window(self) -> SchedulerOutput | None:
-        """Run one decode window if one can run now (nothing in flight); its plan, or None."""
+    def _run_decode_window(self) -> list[Request] | None:
+        """Launch a decode window if one can run now (nothing in flight) and advance through it; the
+        requests it advanced, or None when no window can run."""
         k = self._decode_window_size()
         if k <= 1:
             return None
         so = self.scheduler.schedule_decode_window(k)
-        if so is not None:
-            self.scheduler.update_window(so, self.runner.execute_decode_window(so, k))
-        return so
+        if so is None:
+            return None
+        self.window = self._launch_window(so, k)
+        return self._next_window()
+
+    def _launch_window(self, so: SchedulerOutput, k: int,
+                       prev: LaunchedWindow | None = None) -> LaunchedWindow:
+        window = self.runner.launch_decode_window(so, k, prev)
+        self.scheduler.mark_window_launched(so, k)
+        return window
+
+    def _next_window(self) -> list[Request]:
+        """Read the window in flight, having first launched the next one behind it when that can be
+        planned without its tokens (`pipeline_windows`): the GPU then runs on while the host reads
+        and applies them, instead of idling through every window boundary. The next window carries
+        the requests that cannot have ended by length; one that stops on a token of this window has
+        its next-window tokens dropped (and wasted), as inside a window."""
+        current, nxt = self.window, None
+        if self.pipeline_windows:
+            k = self._decode_window_size()
+            so = self.scheduler.schedule_decode_window(k) if k > 1 else None
+            if so is not None:
+                nxt = self._launch_window(so, k, current)
+                self.num_pipelined_windows += 1
+        self.window = nxt
+        tokens = self.runner.finish_decode_window(current)
+        self.scheduler.update_window(current.so, tokens, current.k)
+        return current.so.requests
 
     # ----------------------------------------------------------------------------- outputs
     @staticmethod
@@ -221,6 +264,9 @@ class EngineCore:
         """Abort everything and release the device memory the runner holds."""
         if self.in_flight is not None:
             self._drain()
+        while self.window is not None:
+            window, self.window = self.window, None
+            self.runner.finish_decode_window(window)
         for request_id in list(self.scheduler.requests):
             self.scheduler.abort_request(request_id)
         self.runner.release()

@@ -118,7 +118,9 @@ class PrefixCachingBlockManager(BlockManager):
     def _register_computed(self, request: Request) -> None:
         """Key every full block of `request` whose KV is computed and not yet keyed."""
         bs = self.block_size
-        n_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        # Tokens of a decode window still in flight count as computed but their ids are not known yet.
+        known = request.num_prompt_tokens + request.num_output_tokens
+        n_full = min(min(request.num_computed_tokens, known) // bs, len(request.block_ids))
         done = self._num_registered.get(request.request_id, 0)
         if n_full <= done:
             return

@@ -179,47 +179,77 @@ class Scheduler:
         if not samples:
             self.num_partial_prefills += 1
 
+    def window_requests(self) -> list[Request]:
+        """The running requests a decode window planned now would carry: all of them, less those whose
+        tokens in flight (a window still on the device) will end them by length whatever their values."""
+        return [r for r in self.running if not r.finishes_by_length_when_resolved]
+
     def decode_window_size(self, max_window: int, max_model_len: int) -> int:
         """How many greedy decode steps may run without looking at their tokens (1 = not now).
 
-        Only when nothing waits for admission and every running request decodes greedily with
-        no penalties, logprobs or pending min_tokens. The window never reaches past any request's
-        context (`max_model_len`), nor past the step at which every request has reached its
-        max_tokens. A request that stops inside the window (EOS, stop ids or strings, max_tokens)
-        wastes the rest of it on its own KV blocks, and its later tokens are dropped.
+        Only when nothing waits for admission and every request of the window (`window_requests`)
+        decodes greedily with no penalties, logprobs or pending min_tokens. The window never reaches
+        past any request's context (`max_model_len`), nor past the step at which every request has
+        reached its max_tokens. A request that stops inside the window (EOS, stop ids or strings,
+        max_tokens) wastes the rest of it on its own KV blocks, and its later tokens are dropped.
+        Tokens of a window still in flight count as produced (`num_pending_outputs`), so the next
+        window can be planned before they are read.
         """
         if max_window <= 1 or self.waiting or not self.running:
             return 1
         k = max_window
         most_left = 0  # tokens the longest-running request may still produce
-        for r in self.running:
+        for r in self.window_requests():
             p = r.sampling_params
+            produced = r.num_output_tokens + r.num_pending_outputs
             if (r.num_tokens - r.num_computed_tokens != 1 or not p.is_greedy or p.uses_penalties
-                    or p.logprobs is not None or r.num_output_tokens < p.min_tokens):
+                    or p.logprobs is not None or produced < p.min_tokens):
                 return 1
             k = min(k, max_model_len - r.num_tokens)
-            most_left = max(most_left, p.max_tokens - r.num_output_tokens)
+            most_left = max(most_left, p.max_tokens - produced)
         return min(k, most_left)
 
     def schedule_decode_window(self, k: int) -> SchedulerOutput | None:
-        """Every running request decodes `k` tokens; KV blocks for all of them are taken now.
+        """Every request of the window (`window_requests`) decodes `k` tokens; KV blocks for all of them
+        are taken now.
 
         None (nothing scheduled) if the pool cannot cover the window: the caller then takes a
         normal step, which preempts as needed. Blocks already added stay with their requests.
         """
         bm = self.block_manager
-        for r in self.running:
+        requests = self.window_requests()
+        for r in requests:
             if not bm.allocate_slots(r, r.num_computed_tokens + k):
                 return None
-        n = len(self.running)
-        return SchedulerOutput(list(self.running), [1] * n, [True] * n)
+        n = len(requests)
+        return SchedulerOutput(requests, [1] * n, [True] * n)
 
-    def update_window(self, out: SchedulerOutput, tokens: list[list[int]]) -> list[Request]:
-        """Advance each request through its window tokens until it stops; later tokens are dropped."""
+    def mark_window_launched(self, out: SchedulerOutput, k: int) -> None:
+        """A window of `k` steps is on the device: its KV counts as computed and its `k` tokens per request
+        as pending outputs, so the next window can be planned before they are read (`update_window`
+        takes these provisional counts back before it appends the tokens)."""
+        for request in out.requests:
+            request.num_computed_tokens += k
+            request.num_pending_outputs += k
+            request.num_tokens += k
+
+    def update_window(self, out: SchedulerOutput, tokens: list[list[int]], k: int) -> list[Request]:
+        """Advance each request through its window tokens until it stops; later tokens are dropped. A
+        request that ended while the window ran (it stopped in the window before, or was aborted) has
+        them all dropped. A request that stops here has the tokens of the window launched after this one
+        dropped too: its counts fall back to the tokens it keeps."""
         finished: list[Request] = []
         for request, toks in zip(out.requests, tokens):
+            if request.is_finished:
+                self.num_discarded_tokens += len(toks)
+                continue
+            request.num_pending_outputs -= k
+            request.num_tokens -= k
+            request.num_computed_tokens -= k
             request.num_computed_tokens += request.append_window_tokens(toks)
             if request.is_finished:
+                request.drop_pending_outputs()
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
                 self._retire(request)
                 finished.append(request)
         return finished

@@ -36,7 +36,12 @@ from runner.layers.sampler import Sampler
 from runner.layers.triton_launch import build_threads_from_env
 from runner.multimodal.state import MultimodalState
 from runner.worker.cuda_graphs import DecodeGraphs, GraphBuckets
-from runner.worker.decode_window import run_decode_window
+from runner.worker.decode_window import (
+    LaunchedWindow,
+    finish_decode_window,
+    launch_decode_window,
+    run_decode_window,
+)
 from runner.worker.hf_config import text_config
 from runner.worker.host_upload import HostUploader
 from runner.worker.inputs_embeds import InputsEmbedsBuilder
@@ -472,6 +477,16 @@ class ModelRunner:
         """Run `k` greedy decode steps back to back on the device (`runner.worker.decode_window`);
         the `k` tokens of each request."""
         return run_decode_window(self, so, k)
+
+    def launch_decode_window(self, so: SchedulerOutput, k: int,
+                             prev: LaunchedWindow | None = None) -> LaunchedWindow:
+        """Queue a decode window without waiting for it; `prev` is the window still in flight, whose
+        last tokens are this one's first inputs (`runner.worker.decode_window.launch_decode_window`)."""
+        return launch_decode_window(self, so, k, prev)
+
+    def finish_decode_window(self, window: LaunchedWindow) -> list[list[int]]:
+        """Wait for a launched window's tokens; the `k` tokens of each request."""
+        return finish_decode_window(self, window)
 
     # ----------------------------------------------------------------------------- CUDA graphs
     def capture_cuda_graphs(self, *, emulate: bool = False) -> None:
