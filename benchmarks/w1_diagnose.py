@@ -18,9 +18,15 @@ tokens, greedy, ignore_eos). Diagnostics, not a target: they explain the numbers
                                                  # interleaved runs, then a cProfile of one whole
                                                  # generate per embeds path (where the CPU path's
                                                  # extra host time goes; issue 14's 0.98x target)
+    python benchmarks/w1_diagnose.py phases [--workload W2]
+                                                 # GPU time of one generate (device embeds) by kind of
+                                                 # engine call (prefill/mixed steps, single decode steps,
+                                                 # decode windows) and GPU idle, beside the roofline's
+                                                 # prefill and decode parts; kernel tables of one decode
+                                                 # window and one prefill/mixed step from its middle
 
 The first three modes pass device-resident embeds; `hostgap` also passes them as pageable CPU tensors.
-`--workload W2` (hostgap only): 256 requests, prompt and output lengths uniform in [100, 1024].
+`--workload W2` (hostgap and phases): 256 requests, prompt and output lengths uniform in [100, 1024].
 """
 
 from __future__ import annotations
@@ -166,7 +172,8 @@ def timeline(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
 
     wrap(llm.runner, "launch", step_info)
     wrap(llm.runner, "finish")
-    wrap(llm.runner, "execute_decode_window", lambda so, k: f" reqs={so.num_reqs} k={k}")
+    wrap(llm.runner, "launch_decode_window", lambda so, k, prev=None: f" reqs={so.num_reqs} k={k}")
+    wrap(llm.runner, "finish_decode_window")
     for name in ("schedule", "schedule_decode_window", "update_window", "finish_step"):
         wrap(llm.scheduler, name)
     cpu = [{"prompt_embeds": p["prompt_embeds"].cpu()} for p in embeds]  # pageable, as users pass them
@@ -212,6 +219,131 @@ def hostgap(llm: LLM, embeds: list[dict], ids: list[dict], output_lens: list[int
         pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
         print(f"=== {name}: one generate in cProfile, wall {wall * 1e3:.1f} ms; host functions by own time")
         print(out.getvalue(), flush=True)
+
+
+# -------------------------------------------------------------------------------------------- phases
+
+def _kernel_table(prof, title: str, top: int = 14) -> None:
+    total, count = collections.Counter(), collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total[ev.name] += ev.device_time
+            count[ev.name] += 1
+    busy = sum(total.values())
+    print(f"--- {title}: kernel sum {busy / 1e3:.2f} ms")
+    for name, t in total.most_common(top):
+        print(f"{t / 1e3:8.3f} ms {t / busy:4.0%} {count[name]:6d} x {t / count[name]:8.2f} us  {name[:100]}")
+
+
+def phases(llm: LLM, embeds: list[dict], output_lens: list[int], workload: str) -> None:
+    """Where one generate's GPU time goes: each engine call's GPU work (from its first embedding lookup to
+    the end of its last kernel) by kind, and the GPU idle before each call (the host staging it while
+    nothing ran), against the roofline's two parts. A third run profiles one decode window and one
+    prefill/mixed step from the middle of the run (kernel tables)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoConfig
+
+    from runner.worker import decode_window
+
+    config = AutoConfig.from_pretrained("/tmp/bridge_bench_qwen3_06b")
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
+    prompt_lens = [p["prompt_embeds"].shape[0] for p in embeds]
+    bandwidth, rate = G.measure_copy_bandwidth(DEVICE), G.measure_matmul_rate(DEVICE)
+    roof = G.roofline_tok_s(config, weight_bytes, prompt_lens, output_lens, bandwidth, rate)
+
+    def event() -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    mode = {"timing": False, "profile_at": {}}
+    seen: collections.Counter = collections.Counter()
+    calls: list[dict] = []  # per call: kind, steps, first (work start), last (work end)
+    profiled: dict[str, tuple] = {}
+    current: dict = {}
+
+    def wrap_call(obj, name, kind_of, window: bool):
+        f = getattr(obj, name)
+
+        def wrapped(so, *a, **k):
+            kind = kind_of(so)
+            seen[kind] += 1
+            prof = None
+            if seen[kind] == mode["profile_at"].get(kind):
+                torch.cuda.synchronize()
+                prof = profile(activities=[ProfilerActivity.CUDA])
+                prof.__enter__()
+            current.clear()
+            current.update(kind=kind, steps=a[0] if window else 1)
+            out = f(so, *a, **k)
+            if not window:  # a launch returns once its work is queued: the end of that work
+                current["last"] = event() if mode["timing"] else None
+            if mode["timing"]:
+                calls.append(dict(current))
+            if prof is not None:
+                torch.cuda.synchronize()
+                prof.__exit__(None, None, None)
+                profiled[kind] = (prof, so.num_reqs, current["steps"])
+            return out
+
+        setattr(obj, name, wrapped)
+
+    build = llm.runner.embeds_builder.build
+
+    def timed_build(*a, **k):  # the first embedding lookup of a call starts its GPU work
+        if mode["timing"] and "first" not in current:
+            current["first"] = event()
+        return build(*a, **k)
+
+    argmax = decode_window.greedy_argmax
+
+    def timed_argmax(*a, **k):  # the window's last argmax ends its GPU work
+        out = argmax(*a, **k)
+        if mode["timing"]:
+            current["last"] = event()
+        return out
+
+    llm.runner.embeds_builder.build = timed_build
+    decode_window.greedy_argmax = timed_argmax
+    wrap_call(llm.runner, "launch", lambda so: "decode step" if so.is_decode_only else "prefill/mixed step",
+              False)
+    wrap_call(llm.runner, "launch_decode_window", lambda so: "decode window", True)
+
+    run(llm, embeds, output_lens)  # counts the calls of each kind
+    counts = dict(seen)
+    seen.clear()
+    mode["timing"] = True
+    start = event()
+    wall = run(llm, embeds, output_lens)
+    end = event()
+    torch.cuda.synchronize()
+    mode["timing"] = False
+    span = start.elapsed_time(end)
+    work, idle, steps = collections.Counter(), collections.Counter(), collections.Counter()
+    prev_end = start
+    for c in calls:
+        first = c.get("first", c["last"])
+        work[c["kind"]] += first.elapsed_time(c["last"])
+        idle[c["kind"]] += max(0.0, prev_end.elapsed_time(first))
+        steps[c["kind"]] += c["steps"]
+        prev_end = c["last"]
+    tail = prev_end.elapsed_time(end)
+    print(f"=== {workload}: one generate, device embeds")
+    print(f"wall {wall * 1e3:.1f} ms, GPU span {span:.1f} ms; roofline {roof['seconds'] * 1e3:.1f} ms "
+          f"(prefill FLOPs {roof['prefill_flops'] / rate * 1e3:.1f} ms, decode bytes "
+          f"{roof['decode_bytes'] / bandwidth * 1e3:.1f} ms)")
+    print(f"{'kind':20s} {'GPU work':>10s} {'GPU idle before':>16s} {'calls':>6s} {'steps':>6s}")
+    for kind, t in work.most_common():
+        print(f"{kind:20s} {t:7.1f} ms {idle[kind]:13.1f} ms {counts.get(kind, 0):6d} {steps[kind]:6d}")
+    print(f"after the last call's work: {tail:.1f} ms; idle in all {sum(idle.values()) + tail:.1f} ms "
+          f"({(sum(idle.values()) + tail) / span:.1%} of the span)")
+
+    mode["profile_at"] = {k: max(1, counts.get(k, 0) // 2) for k in ("decode window", "prefill/mixed step")}
+    run(llm, embeds, output_lens)
+    for kind, (prof, reqs, k) in profiled.items():
+        _kernel_table(prof, f"one {kind} from the middle ({reqs} requests, {k} steps)")
+    llm.runner.embeds_builder.build = build
+    decode_window.greedy_argmax = argmax
 
 
 # ------------------------------------------------------------------------------------------- startprof
@@ -296,17 +428,21 @@ def hostprof(llm: LLM, embeds: list[dict], ids: list[dict]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=("breakdown", "timeline", "hostprof", "hostgap", "startprof"))
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="W1", help="hostgap only")
+    ap.add_argument("mode", choices=("breakdown", "timeline", "hostprof", "hostgap", "startprof", "phases"))
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="W1", help="hostgap and phases only")
     args = ap.parse_args()
-    if args.workload != "W1" and args.mode != "hostgap":
-        ap.error("--workload applies to hostgap only")
+    if args.workload != "W1" and args.mode not in ("hostgap", "phases"):
+        ap.error("--workload applies to hostgap and phases only")
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
     llm, embeds, ids, output_lens = build(args.workload)
     if args.mode == "hostgap":
         hostgap(llm, embeds, ids, output_lens)
+        return 0
+    if args.mode == "phases":
+        run(llm, embeds, output_lens)  # first-use costs outside the timed runs
+        phases(llm, embeds, output_lens, args.workload)
         return 0
     warm_up(llm, embeds, ids)
     modes = {"breakdown": breakdown, "timeline": timeline, "hostprof": hostprof, "startprof": startprof}
