@@ -245,17 +245,17 @@ class HostUploader:
             while len(sizes) < per_group and at + sum(sizes) < total:
                 sizes.append(min(chunk, total - at - sum(sizes)))
             base = self._reserve(sum(sizes))  # one region for the group: its chunks never overlap
-            groups, lo = [], base
+            chunks, lo = [], base  # (ring offset, bytes, the fills still running) of the group's chunks
             for n in sizes:
                 jobs = jobs_for(lo, n)
                 if threaded:
-                    groups.append((lo, n, [self._copy_pool().submit(fill, job) for job in jobs]))
+                    chunks.append((lo, n, [self._copy_pool().submit(fill, job) for job in jobs]))
                 else:
                     for job in jobs:
                         fill(job)
-                    groups.append((lo, n, []))
+                    chunks.append((lo, n, []))
                 lo += n
-            for lo, n, futures in groups:
+            for lo, n, futures in chunks:
                 for f in futures:
                     f.result()
                 dst_bytes[at : at + n].copy_(self._ring[lo : lo + n], non_blocking=True)
