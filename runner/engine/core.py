@@ -264,7 +264,7 @@ class EngineCore:
         """Abort everything and release the device memory the runner holds."""
         if self.in_flight is not None:
             self._drain()
-        while self.window is not None:
+        if self.window is not None:  # at most one window is in flight between steps
             window, self.window = self.window, None
             self.runner.finish_decode_window(window)
         for request_id in list(self.scheduler.requests):

@@ -138,9 +138,9 @@ class DecodeGraphs(GraphBuckets):
     decode window takes its argmax from `head_logits` directly, without the cast (an fp32 copy of W1's
     64 x 151,936 logits is ~30 us a step on an H200). A mixed-step graph writes `logits` itself.
     `window_tokens` holds the argmax of every step of a decode window (`ModelRunner.execute_decode_window`);
-    each window's tokens are copied from it into one of the two `window_tokens_host` buffers (pinned on a
-    GPU), used in turn, so the host reads a window's tokens while the next window runs and overwrites
-    `window_tokens` (`runner.worker.decode_window`).
+    each window's tokens are copied from it into one of two host buffers (`host_tokens`, pinned on a GPU,
+    made at the first window), used in turn, so the host reads a window's tokens while the next window
+    runs and overwrites `window_tokens` (`runner.worker.decode_window`).
     """
 
     kind = "decode"
@@ -158,14 +158,21 @@ class DecodeGraphs(GraphBuckets):
         self.logits = torch.zeros(sizes[-1], vocab_size, dtype=torch.float32, device=device)
         self.head_logits = torch.zeros(sizes[-1], vocab_size, dtype=head_dtype, device=device)
         self.window_tokens = torch.zeros(max_window, sizes[-1], dtype=torch.int64, device=device)
-        self.window_tokens_host = [torch.zeros(max_window, sizes[-1], dtype=torch.int64,
-                                               pin_memory=device.type == "cuda") for _ in range(2)]
 
     def release(self) -> None:
         """Drop the graphs (and with them their memory pool) and the output buffers."""
         super().release()
         self.logits, self.head_logits, self.window_tokens = None, None, None
         self.window_tokens_host = []
+
+    def host_tokens(self, turn: int) -> torch.Tensor:
+        """Host buffer `turn % 2` for a window's tokens, shaped like `window_tokens` (made on first use:
+        start-up's scratch outputs and engines that never run a window need none)."""
+        if not self.window_tokens_host:
+            shape, pin = self.window_tokens.shape, self.window_tokens.device.type == "cuda"
+            self.window_tokens_host = [torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
+                                       for _ in range(2)]
+        return self.window_tokens_host[turn % 2]
 
 
 __all__ = ["DecodeGraphs", "GraphBuckets", "cuda_graph_batch_sizes", "mixed_graph_token_sizes"]

@@ -91,7 +91,7 @@ def launch_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int,
     # The two host buffers in turn: the previous window's may still be unread, never the one before it
     # (a window is finished before the one after next is launched).
     # Whole rows: a strided copy to the host goes through a pageable temporary, which waits for the stream.
-    host = graphs.window_tokens_host[runner.num_decode_windows % 2]
+    host = graphs.host_tokens(runner.num_decode_windows)
     copied = None
     if tokens.is_cuda:
         host[:k].copy_(tokens[:k], non_blocking=True)
