@@ -150,11 +150,12 @@ def test_engine_steps_with_pdl_run_o_proj_and_down_weights_first(tiny_model_root
     path = build_tiny_model(tiny_model_root / "pdl_qwen3", "qwen3", seed=8, head_dim=32)
     prompts = [[11, 12, 13, 14, 15], [40, 41, 42], list(range(50, 90))]  # a 48-token prefill step too
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    calls = []
+    calls, o_proj_weights = [], set()
     original = fused_layers.residual_gemm
 
     def counting(x, act, weight, counters, **kwargs):
-        calls.append((x.shape[0], weight.shape[1], kwargs.get("out") is x, kwargs.get("pdl", False)))
+        calls.append((x.shape[0], weight.data_ptr() in o_proj_weights, kwargs.get("out") is x,
+                      kwargs.get("pdl", False)))
         return original(x, act, weight, counters, **kwargs)
 
     monkeypatch.setattr(fused_layers, "residual_gemm", counting)
@@ -164,14 +165,21 @@ def test_engine_steps_with_pdl_run_o_proj_and_down_weights_first(tiny_model_root
 
     def run(enabled: bool) -> list[list[int]]:
         monkeypatch.setattr(pdl, "ENABLED", enabled)
-        return greedy_token_ids(fused_cpu_llm(path), prompts, params)
+        llm = fused_cpu_llm(path)
+        o_proj_weights.clear()  # this engine's o_proj weights (an earlier engine's memory may be reused)
+        layers = llm.runner.model.model.layers
+        o_proj_weights.update(layer.self_attn.o_proj.weight.data_ptr() for layer in layers)
+        return greedy_token_ids(llm, prompts, params)
 
     got = run(True)
-    o_calls = [c for c in calls if not c[2]]  # o_proj: out of place (the residual is the layer's input)
-    down_calls = [c for c in calls if c[2]]  # down: into the o_proj sum
+    o_calls = [c for c in calls if c[1]]
+    down_calls = [c for c in calls if not c[1]]
     assert o_calls and len(o_calls) == len(down_calls)
+    assert all(in_place for _, _, in_place, _ in down_calls)  # down: into the o_proj sum
+    # o_proj: layer 0 out of place (its residual is the embeddings), layer 1 into layer 0's output
+    assert [in_place for _, _, in_place, _ in o_calls] == [False, True] * (len(o_calls) // 2)
     assert all(pdl_on for *_, pdl_on in calls)
-    rows = {m for m, _, _, _ in calls}
+    rows = {m for m, *_ in calls}
     assert max(rows) > fused_layers.NORM_GATE_UP_MAX_ROWS and min(rows) <= 3  # both sides of the cut-off
     calls.clear()
     want = run(False)

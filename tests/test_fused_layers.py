@@ -185,3 +185,69 @@ def test_fused_layers_on_cuda_bf16_match_unfused(family, model_dirs, monkeypatch
         first_a = a.outputs[0].logprobs[0][a.outputs[0].token_ids[0]]
         first_b = b.outputs[0].logprobs[0][b.outputs[0].token_ids[0]]
         assert abs(first_a - first_b) < 0.05
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_each_layer_adds_o_proj_into_its_predecessors_output_never_into_the_embeddings(
+        model_dirs, fused_on_cpu, monkeypatch, in_place):
+    """A fused layer's o_proj accumulates in place into the hidden states the previous fused layer returned
+    (no copy of the residual first), layer 0 copies (its input is the embeddings, which stay untouched),
+    and the greedy tokens equal HF's either way (BRIDGE_RESIDUAL_IN_PLACE=0 turns it off)."""
+    path = model_dirs["qwen3"]
+    ref = load_hf_fp32(path)
+    embeds = [ref.get_input_embeddings()(torch.tensor(p)).detach().clone()
+              for p in ([5, 6, 7, 8], list(range(20, 37)))]
+    kept = [e.clone() for e in embeds]
+    with torch.no_grad():
+        expected = [ref.generate(inputs_embeds=e[None], max_new_tokens=5, do_sample=False)[0].tolist()
+                    for e in embeds]
+    o_proj_calls, o_projs = [], set()
+    original = fused_layers._linear_plus_residual
+
+    def spying(residual, x, linear, inplace=False):
+        if id(linear) in o_projs:
+            o_proj_calls.append(inplace)
+        return original(residual, x, linear, inplace)
+
+    monkeypatch.setattr(fused_layers, "_linear_plus_residual", spying)
+    monkeypatch.setattr(fused_layers, "RESIDUAL_IN_PLACE", in_place)
+    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4,
+              enable_prompt_embeds=True)
+    model = llm.runner.model
+    fused_linear.fuse_linears(model)
+    fused_layers.fuse_decoder_layers(model)
+    o_projs.update(id(layer.self_attn.o_proj) for layer in model.model.layers)
+    outs = llm.generate([{"prompt_embeds": e} for e in embeds],
+                        SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(torch.equal(e, k) for e, k in zip(embeds, kept))
+    steps = llm.runner.num_forward_steps
+    assert len(o_proj_calls) == NUM_LAYERS * steps
+    # per step: layer 0 copies, layer 1 (NUM_LAYERS = 2) writes its input in place when switched on
+    assert o_proj_calls == [False, in_place] * steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("requests", [8, 48])
+def test_gpu_residual_in_place_is_bitwise_the_copying_engine(tiny_model_root, monkeypatch, requests):
+    """On the GPU (CUDA graphs, decode windows; 8 requests take the PDL o_proj kernel where PDL runs, 48
+    cuBLAS's addmm): adding o_proj into the previous layer's output in place gives bitwise the tokens and
+    logprobs of the engine that copies it first (the same GEMM, only where its result goes differs)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = build_tiny_model(tiny_model_root / "in_place_gpu_qwen3", "qwen3", seed=12, head_dim=64,
+                            num_layers=3)
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 200 + 3 for j in range(4 + i % 30)]}
+               for i in range(requests)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True)
+    runs = {}
+    for in_place in (True, False):
+        monkeypatch.setattr(fused_layers, "RESIDUAL_IN_PLACE", in_place)
+        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_memory=64 << 20)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[in_place] = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs,
+                                                                           o.outputs[0].token_ids)])
+                          for o in outs]
+        assert llm.runner.num_graph_replays > 0
+        llm.shutdown()
+    assert runs[True] == runs[False]

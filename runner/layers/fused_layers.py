@@ -11,8 +11,10 @@ the eager prefill path every launch also costs 50-70 us of Python on the host. H
          -> o_proj GEMM with the residual add as its epilogue (addmm) -> norm -> gate/up GEMM
          -> SiLU*mul -> down_proj GEMM with the residual add as its epilogue
 
-nine launches, one of them (`qkv_norm_rope_write`) new. Decode-sized steps (bf16/fp16) fold each norm
-into the GEMM after it and that GEMM's epilogue kernel into the GEMM (`runner.layers.norm_gemm`):
+nine launches, one of them (`qkv_norm_rope_write`) new. The o_proj add goes in place into the hidden
+states the previous fused layer returned (`_OWNED`), so it needs no copy of the residual first.
+Decode-sized steps (bf16/fp16) fold each norm into the GEMM after it and that GEMM's epilogue kernel
+into the GEMM (`runner.layers.norm_gemm`):
 q/k/v up to `NORM_GEMM_MAX_ROWS` tokens, gate/up up to `NORM_GATE_UP_MAX_ROWS`:
 
     [norm -> q/k/v GEMM -> q_norm, k_norm, rotary, K/V cache write] -> paged attention
@@ -246,14 +248,31 @@ def _linear_plus_residual(residual: torch.Tensor, x: torch.Tensor, linear: torch
                           inplace: bool = False) -> torch.Tensor:
     """residual + linear(x), the add folded into the GEMM (one launch, one rounding).
 
-    `inplace` accumulates into `residual` itself (only for a tensor this layer made): out of place,
-    cuBLAS first copies the residual into the new output, one more launch.
+    `inplace` accumulates into `residual` itself (only for a tensor no one reads after this layer: its
+    own, or its predecessor's output, see `_OWNED`): out of place, torch first copies the residual into
+    the new output, one more launch (a `memcpy32_post` kernel in a CUDA graph, 1.6 us at 64 rows).
     """
     if linear.bias is None:
         if inplace:
             return residual.addmm_(x, linear.weight.t())
         return torch.addmm(residual, x, linear.weight.t())
     return residual + F.linear(x, linear.weight, linear.bias)
+
+
+# The attribute a fused layer sets on the hidden states it returns. Such a tensor is the layer's own, and
+# Hugging Face's decoder loop hands it to the next layer and drops it, so the next fused layer may add
+# its o_proj into it in place instead of copying it first (one launch fewer a layer; the embeddings that
+# enter layer 0 are never written). Anything else in between (a hook that replaces the output, a layer
+# left unfused) hands over an untagged tensor, which is not written.
+_OWNED = "_bridge_fused_layer_output"
+# BRIDGE_RESIDUAL_IN_PLACE=0 (read at import) copies every layer's input as before (A/B runs).
+RESIDUAL_IN_PLACE = env_switch("BRIDGE_RESIDUAL_IN_PLACE")
+
+
+def _owned_output(x: torch.Tensor) -> torch.Tensor:
+    out = x.unsqueeze(0)
+    setattr(out, _OWNED, True)
+    return out
 
 
 def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
@@ -267,6 +286,7 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     if cos.shape[0] != 1 or cos.dim() != 3 or cos.shape[1] != t or sin.shape != cos.shape:
         return layer.bridge_original_forward(hidden_states, *args, **kwargs)
     attn, mlp = layer.self_attn, layer.mlp
+    owned = RESIDUAL_IN_PLACE and getattr(hidden_states, _OWNED, False)  # the previous fused layer's output
     meta = ctx.attn_metadata
     key_cache, value_cache = ctx.kv_caches[attn.layer_idx]
     head_dim = attn.head_dim
@@ -300,9 +320,9 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     with_pdl = (o_counters is not None and t <= PDL_MAX_ROWS
                 and down_residual_supported(x, o, attn.o_proj.weight, silu=False))
     if with_pdl:  # attention released it: the o_proj weights stream in as attention ends
-        x = residual_gemm(x, o, attn.o_proj.weight, o_counters, pdl=True)
+        x = residual_gemm(x, o, attn.o_proj.weight, o_counters, pdl=True, out=x if owned else None)
     else:
-        x = _linear_plus_residual(x, o, attn.o_proj)
+        x = _linear_plus_residual(x, o, attn.o_proj, inplace=owned)
 
     if norm_gemm and t <= NORM_GATE_UP_MAX_ROWS:
         act = norm_gate_up_silu(x, post_norm.weight, post_norm.variance_epsilon, mlp.bridge_gate_up_weight)
@@ -314,10 +334,10 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
             and t <= mlp.bridge_down_max_rows and down_residual_supported(x, act, mlp.down_proj.weight,
                                                                           silu=False)):
         # x is this layer's own tensor (the o_proj sum): the kernel adds into it in place.
-        return residual_gemm(x, act, mlp.down_proj.weight, counters, out=x, pdl=with_pdl).unsqueeze(0)
+        return _owned_output(residual_gemm(x, act, mlp.down_proj.weight, counters, out=x, pdl=with_pdl))
     # x is this layer's own tensor now (the o_proj sum), so the second residual add can go in place.
     x = _linear_plus_residual(x, act, mlp.down_proj, inplace=True)
-    return x.unsqueeze(0)
+    return _owned_output(x)
 
 
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
