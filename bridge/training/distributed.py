@@ -63,6 +63,12 @@ def mean_across_ranks(value: float, info: DistInfo, device: torch.device) -> flo
     return float(t.item()) / info.world_size
 
 
-def shutdown(info: DistInfo) -> None:
+def shutdown(info: DistInfo, *, finished: bool = True) -> None:
+    """Tear the process group down. After a finished run every rank first meets the others at a
+    barrier: a rank that destroyed its group while a peer still talked to it (the last checkpoint's
+    gather) aborted at exit now and then ("terminate called without an active exception"). After an
+    error there is no barrier, since a peer that already failed would never arrive."""
     if info.enabled and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()

@@ -579,7 +579,9 @@ def train(recipe: Node, output_dir: str | Path | None = None, force: bool = Fals
         trainer.setting_changes = changes
         try:
             summary = trainer.run()
-        finally:
-            shutdown(trainer.dist)
+        except BaseException:
+            shutdown(trainer.dist, finished=False)
+            raise
+        shutdown(trainer.dist)
     summary["elapsed_s"] = round(time.perf_counter() - t0, 2)  # set-up and evaluation included
     return summary
