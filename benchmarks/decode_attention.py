@@ -63,11 +63,12 @@ def _record_decode_builds() -> None:
     pat.launch = launch
 
 
-def metadata(specs: list[int], seed: int) -> AttentionMetadata:
-    """One decode row per request with `specs[i]` keys (this step's included), pages in allocation order."""
+def decode_metadata(specs: list[int], first_block: int) -> AttentionMetadata:
+    """One decode row per request with `specs[i]` keys (this step's included); each request's pages in
+    allocation order, the first request's from `first_block`."""
     nblocks = [-(-s // BLOCK) for s in specs]
     table = torch.zeros(len(specs), max(nblocks), dtype=torch.int32)
-    start = random.Random(seed).randrange(0, POOL_BLOCKS - sum(nblocks))
+    start = first_block
     for i, n in enumerate(nblocks):
         table[i, :n] = torch.arange(start, start + n)
         start += n
@@ -79,6 +80,12 @@ def metadata(specs: list[int], seed: int) -> AttentionMetadata:
         table.cuda(), max_query_len=1, max_seq_len=max(specs), num_reqs=len(specs), is_decode_only=True,
         query_start_loc_cpu=qsl, seq_lens_cpu=list(specs),
     )  # fmt: skip
+
+
+def metadata(specs: list[int], seed: int) -> AttentionMetadata:
+    """`decode_metadata` from a first block drawn with `seed` somewhere in the engine-sized pool."""
+    need = sum(-(-s // BLOCK) for s in specs)
+    return decode_metadata(specs, random.Random(seed).randrange(0, POOL_BLOCKS - need))
 
 
 def workloads(quick: bool) -> dict[str, list[int]]:

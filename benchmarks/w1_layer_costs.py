@@ -30,32 +30,14 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from decode_attention import BLOCK, HEAD_DIM, KV_HEADS, POOL_BLOCKS, Q_HEADS, decode_metadata  # noqa: E402
 from skinny_gemm import graph_time  # noqa: E402
 
 import runner.layers.paged_attention_triton as pat  # noqa: E402
 from runner.layers.attention_metadata import AttentionMetadata  # noqa: E402
 
-LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK = 28, 8, 16, 128, 16
-POOL_BLOCKS = 66940  # the W1 engine's pool at gpu_memory_utilization 0.85
+LAYERS = 28
 HIDDEN, Q_SIZE, INTER = 1024, 2048, 3072
-
-
-def decode_metadata(specs: list[int], first_block: int) -> AttentionMetadata:
-    """One decode row per request; each request's pages in allocation order from `first_block`."""
-    nblocks = [-(-s // BLOCK) for s in specs]
-    table = torch.zeros(len(specs), max(nblocks), dtype=torch.int32)
-    start = first_block
-    for i, n in enumerate(nblocks):
-        table[i, :n] = torch.arange(start, start + n)
-        start += n
-    qsl = list(range(len(specs) + 1))
-    return AttentionMetadata(
-        torch.zeros(len(specs), dtype=torch.int64, device="cuda"),
-        torch.tensor(qsl, dtype=torch.int32, device="cuda"),
-        torch.tensor(specs, dtype=torch.int32, device="cuda"),
-        table.cuda(), max_query_len=1, max_seq_len=max(specs), num_reqs=len(specs), is_decode_only=True,
-        query_start_loc_cpu=qsl, seq_lens_cpu=list(specs),
-    )  # fmt: skip
 
 
 def attention_rows(copy_bw: float) -> list[dict]:

@@ -125,6 +125,22 @@ def fused_cpu_llm(path, *, layers: int = 2):
     return llm
 
 
+def gpu_tokens_and_logprobs(path, prompts, params, check=None) -> list[tuple[list[int], list]]:
+    """Each request's sampled tokens and their logprobs from a fresh bf16 GPU engine over `path` (the
+    bitwise A/B tests of kernel switches); `check(llm)` runs on the engine before it generates. Asserts
+    decode steps replayed CUDA graphs, and shuts the engine down."""
+    from runner.llm import LLM
+
+    llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_memory=64 << 20)
+    if check is not None:
+        check(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.runner.num_graph_replays > 0
+    llm.shutdown()
+    return [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
 def greedy_token_ids(llm, prompts, params) -> list[list[int]]:
     """The output token ids of `llm` for token-id `prompts`, in order."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

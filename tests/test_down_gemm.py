@@ -349,8 +349,9 @@ def test_gpu_engine_with_pdl_equals_the_same_kernels_launched_normally(tiny_mode
         pytest.skip("needs a CUDA device")
     if not pdl.pdl_supported(torch.device("cuda")):
         pytest.skip("PDL needs compute capability 9.0")
+    from helpers import gpu_tokens_and_logprobs
+
     from bridge.tiny_models import build_tiny_model
-    from runner.llm import LLM
     from runner.sampling_params import SamplingParams
 
     path = build_tiny_model(tiny_model_root / "pdl_gpu_qwen3", "qwen3", seed=9, head_dim=64)
@@ -359,14 +360,11 @@ def test_gpu_engine_with_pdl_equals_the_same_kernels_launched_normally(tiny_mode
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
     monkeypatch.setattr(pdl, "ENABLED", True)
     runs = {}
+
+    def has_pdl_counters(llm):
+        assert hasattr(llm.runner.model.model.layers[0].self_attn, "bridge_o_counters")
+
     for launched in (True, False):
         monkeypatch.setattr(pdl, "LAUNCH_PDL", launched)
-        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_memory=64 << 20)
-        assert hasattr(llm.runner.model.model.layers[0].self_attn, "bridge_o_counters")
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs[launched] = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs,
-                                                                           o.outputs[0].token_ids)])
-                          for o in outs]
-        assert llm.runner.num_graph_replays > 0
-        llm.shutdown()
+        runs[launched] = gpu_tokens_and_logprobs(path, prompts, params, check=has_pdl_counters)
     assert runs[True] == runs[False]

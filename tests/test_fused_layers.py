@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cpu_runner_with_fused_ops, load_hf_fp32
+from helpers import cpu_runner_with_fused_ops, gpu_tokens_and_logprobs, load_hf_fp32
 
 from bridge.tiny_models import build_tiny_model
 from runner.layers import fused_layers, fused_linear
@@ -243,11 +243,5 @@ def test_gpu_residual_in_place_is_bitwise_the_copying_engine(tiny_model_root, mo
     runs = {}
     for in_place in (True, False):
         monkeypatch.setattr(fused_layers, "RESIDUAL_IN_PLACE", in_place)
-        llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_memory=64 << 20)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs[in_place] = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs,
-                                                                           o.outputs[0].token_ids)])
-                          for o in outs]
-        assert llm.runner.num_graph_replays > 0
-        llm.shutdown()
+        runs[in_place] = gpu_tokens_and_logprobs(path, prompts, params)
     assert runs[True] == runs[False]
