@@ -304,7 +304,8 @@ def sweep(workloads: list[Workload], scale: float, copy_bw: float, which: str = 
         # Pure prefill only: the mixed step's time is mostly its decodes.
         if which == "decode" or any(q == 1 for _, q in w.specs):
             continue
-        for block_m, tile_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+        grid = itertools.product((64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4))
+        for block_m, tile_n, warps, stages in grid:
             cfg = PrefillConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
             try:
                 row = run_one(w, scale, copy_bw, prefill=cfg, use_graph=False)

@@ -318,10 +318,8 @@ for cfg in (dg.default_pdl_config(64), dg.default_pdl_config(1)):
     loads = [m.start() for m in re.finditer(r"ld\.global", ptx)]
     before, after = sum(at < wait for at in loads), sum(at > wait for at in loads)
     print("down", cfg.block_m, before, after, kernel.metadata.launch_pdl)
-silu = build_sm90(fl._silu_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16", table_ptr="*i64", bt_ptr="*i32",
-                  seq_ptr="*i32", k_addr="i64", v_addr="i64"),
-                  dict(BLOCK=1024, RELEASE=True, HAS_TABLE=False, HAS_KV=False, VEC=128),
-                  ["x_ptr", "out_ptr"], num_warps=4)
+silu = build_sm90(fl._silu_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"),
+                  dict(BLOCK=1024, RELEASE=True), ["x_ptr", "out_ptr"], num_warps=4)
 print("silu", "griddepcontrol.launch_dependents" in silu.asm["ptx"])
 """
 

@@ -264,6 +264,20 @@ def test_default_decode_config_by_grid_size(monkeypatch):
             pat.decode_config_from_env(bad)
 
 
+def test_prefill_config_from_the_environment_overrides_the_16_bit_default(monkeypatch):
+    import runner.layers.paged_attention_triton as pat
+
+    env = pat.prefill_config_from_env("256,32,8,2")
+    assert env == PrefillConfig(block_m=256, tile_n=32, num_warps=8, num_stages=2)
+    monkeypatch.setattr(pat, "_ENV_PREFILL_CONFIG", env)
+    assert pat._default_prefill_config(128, torch.bfloat16, 512, 2) == env
+    assert pat._default_prefill_config(128, torch.float32, 512, 2) != env  # fp32 keeps its own
+    assert pat.prefill_config_from_env(None) is None and pat.prefill_config_from_env("") is None
+    for bad in ("128,64,8", "96,64,8,3", "128,8,8,3", "128,64,0,3", "a,b,c,d"):
+        with pytest.raises(ValueError, match="BRIDGE_PREFILL_CONFIG"):
+            pat.prefill_config_from_env(bad)
+
+
 def test_split_count_is_not_compiled_into_the_decode_kernels():
     """The count is a runtime argument: a server's eager steps meet every batch size, and each new
     constexpr value was a kernel build of seconds mid-traffic. Only split-or-not is compiled in."""

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from runner.config import env_int, env_switch
-from runner.layers import l2_prefetch, pdl
+from runner.layers import pdl
 from runner.layers.attention_metadata import current_forward_context
 from runner.layers.down_gemm import down_residual_supported, new_counters, residual_gemm
 from runner.layers.fused_linear import silu_mul
@@ -327,14 +327,8 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     if norm_gemm and t <= NORM_GATE_UP_MAX_ROWS:
         act = norm_gate_up_silu(x, post_norm.weight, post_norm.variance_epsilon, mlp.bridge_gate_up_weight)
     else:
-        # L2 prefetches (runner.layers.l2_prefetch): the norm starts gate/up's and down's weights, SiLU*mul
-        # the next layer's q/k/v weight and its first K/V blocks.
-        plan = getattr(layer, "bridge_l2_prefetch", None) if t <= l2_prefetch.MAX_ROWS else None
-        h = rms_norm(x, post_norm.weight, post_norm.variance_epsilon,
-                     prefetch_table=plan.mlp_table() if plan else None)
-        act = silu_mul(F.linear(h, mlp.bridge_gate_up_weight),  # releases a PDL down projection early
-                       prefetch_table=plan.next_table() if plan else None,
-                       prefetch_kv=plan.next_kv(ctx) if plan else None)
+        h = rms_norm(x, post_norm.weight, post_norm.variance_epsilon)
+        act = silu_mul(F.linear(h, mlp.bridge_gate_up_weight))  # releases a PDL down projection early
     counters = getattr(mlp, "bridge_down_counters", None)
     if (counters is not None and (with_pdl or (DOWN_GEMM and norm_gemm and t <= NORM_GATE_UP_MAX_ROWS))
             and t <= mlp.bridge_down_max_rows and down_residual_supported(x, act, mlp.down_proj.weight,
@@ -346,37 +340,6 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     return _owned_output(x)
 
 
-class LayerPrefetch:
-    """What one fused layer's norm and SiLU*mul prefetch into L2 (`runner.layers.l2_prefetch`): its own
-    gate/up and down weights (`BRIDGE_L2_PREFETCH_WEIGHTS`), and the next fused layer's q/k/v weight and
-    first K/V blocks (`BRIDGE_L2_PREFETCH_KV_MB`). Weights are looked up through the modules at each use,
-    so a weight replaced or moved after fusing is prefetched where it is now."""
-
-    def __init__(self, layer: torch.nn.Module, after: torch.nn.Module | None) -> None:
-        mlp = layer.mlp
-        self._mlp = l2_prefetch.WeightPrefetch(lambda: [mlp.bridge_gate_up_weight, mlp.down_proj.weight])
-        self._next = None
-        self._next_idx = None
-        if after is not None:
-            attn = after.self_attn
-            self._next = l2_prefetch.WeightPrefetch(lambda: [attn.bridge_qkv_weight])
-            self._next_idx = attn.layer_idx
-
-    def mlp_table(self) -> torch.Tensor | None:
-        return self._mlp.table() if l2_prefetch.WEIGHTS else None
-
-    def next_table(self) -> torch.Tensor | None:
-        return self._next.table() if l2_prefetch.WEIGHTS and self._next is not None else None
-
-    def next_kv(self, ctx) -> l2_prefetch.KVPrefetch | None:
-        if self._next_idx is None or l2_prefetch.KV_BUDGET_BYTES <= 0:
-            return None
-        meta = ctx.attn_metadata
-        key_cache, value_cache = ctx.kv_caches[self._next_idx]
-        return l2_prefetch.KVPrefetch.for_budget(meta.block_tables, meta.seq_lens, key_cache, value_cache,
-                                                 l2_prefetch.KV_BUDGET_BYTES)
-
-
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
     """Give every fusable decoder layer of `model` the fused forward; returns how many.
 
@@ -384,7 +347,6 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
     it could not merge, and layer classes not listed, keep Hugging Face's forward.
     """
     count = 0
-    fused: list[torch.nn.Module] = []
     for layer in model.modules():
         if not _layer_fusable(layer):
             continue
@@ -405,10 +367,5 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
         if with_pdl and o_proj.bias is None:
             counters = new_counters(o_proj.weight.shape[0], PDL_MAX_ROWS, o_proj.weight.device)
             layer.self_attn.register_buffer("bridge_o_counters", counters, persistent=False)
-        fused.append(layer)
         count += 1
-    if l2_prefetch.enabled():
-        for layer, after in zip(fused, [*fused[1:], None]):
-            if l2_prefetch.supported(layer.mlp.down_proj.weight.device):
-                layer.bridge_l2_prefetch = LayerPrefetch(layer, after)
     return count

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from runner.layers.l2_prefetch import KVPrefetch, prefetch_args, prefetch_chunks, prefetch_kv_blocks
 from runner.layers.pdl import release_dependents, use_pdl
 from runner.layers.triton_launch import launch
 
@@ -47,20 +46,9 @@ SILU_MUL_ON_CPU = False
 # ----------------------------------------------------------------------------------------- SiLU*mul
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n_inter, stride_x, stride_o,
-                     table_ptr, n_chunks, bt_ptr, seq_ptr, n_req, stride_bt, k_addr, v_addr, block_bytes,
-                     block_size, per_req, BLOCK: tl.constexpr, RELEASE: tl.constexpr,
-                     HAS_TABLE: tl.constexpr, HAS_KV: tl.constexpr, VEC: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n_inter, stride_x, stride_o, BLOCK: tl.constexpr, RELEASE: tl.constexpr):
     release_dependents(RELEASE)  # a PDL down projection after it may start loading its weights
     row = tl.program_id(0)
-    # L2 prefetches for the kernels after this one (runner.layers.l2_prefetch), before its own loads.
-    pid = row * tl.num_programs(1) + tl.program_id(1)
-    nprog = tl.num_programs(0) * tl.num_programs(1)
-    if HAS_TABLE:
-        prefetch_chunks(table_ptr, n_chunks, pid, nprog, VEC)
-    if HAS_KV:
-        prefetch_kv_blocks(bt_ptr, seq_ptr, n_req, stride_bt, k_addr, v_addr, block_bytes, block_size,
-                           per_req, pid, nprog, VEC)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -76,12 +64,8 @@ def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_mul_triton(x: torch.Tensor, prefetch_table: torch.Tensor | None = None,
-                    prefetch_kv: KVPrefetch | None = None) -> torch.Tensor:
-    """`SiLU(x[..., :I]) * x[..., I:]` in one Triton launch; returns a contiguous (..., I) tensor.
-
-    `prefetch_table` / `prefetch_kv`: L2 prefetches the same launch issues for the kernels after it
-    (`runner.layers.l2_prefetch`; GPU only, they change no value)."""
+def silu_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """`SiLU(x[..., :I]) * x[..., I:]` in one Triton launch; returns a contiguous (..., I) tensor."""
     if x.shape[-1] % 2:
         raise ValueError(f"the last dimension holds gate and up halves, so it must be even: {tuple(x.shape)}")
     n_inter = x.shape[-1] // 2
@@ -93,19 +77,16 @@ def silu_mul_triton(x: torch.Tensor, prefetch_table: torch.Tensor | None = None,
     if n_rows == 0 or n_inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(n_inter))
-    pf_args, pf_consts = prefetch_args(prefetch_table, prefetch_kv, x.device)
     launch(_silu_mul_kernel, (n_rows, triton.cdiv(n_inter, block)))(
-        x2, out, n_inter, x2.stride(0), n_inter, *pf_args, BLOCK=block, RELEASE=use_pdl(x.device),
-        **pf_consts, VEC=32 * 4, num_warps=4,
+        x2, out, n_inter, x2.stride(0), n_inter, BLOCK=block, RELEASE=use_pdl(x.device), num_warps=4
     )
     return out
 
 
-def silu_mul(x: torch.Tensor, prefetch_table: torch.Tensor | None = None,
-             prefetch_kv: KVPrefetch | None = None) -> torch.Tensor:
-    """Triton on CUDA (or on the CPU when `SILU_MUL_ON_CPU`), torch otherwise (no prefetches)."""
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """Triton on CUDA (or on the CPU when `SILU_MUL_ON_CPU`), torch otherwise."""
     if x.is_cuda or SILU_MUL_ON_CPU:
-        return silu_mul_triton(x, prefetch_table, prefetch_kv)
+        return silu_mul_triton(x)
     return silu_mul_reference(x)
 
 

@@ -24,9 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.layers import l2_prefetch
 from runner.layers.attention_metadata import current_forward_context
-from runner.layers.l2_prefetch import KVPrefetch, prefetch_chunks, prefetch_kv_blocks
 from runner.layers.triton_launch import launch
 
 # Norm classes whose forward is exactly: x32 = x.float(); x32 * rsqrt(mean(x32^2) + eps);
@@ -38,15 +36,7 @@ FUSABLE_RMSNORM_CLASSES = frozenset(
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, n_inner, stride_a, stride_b, eps,
-                    table_ptr, n_chunks, bt_ptr, seq_ptr, n_req, stride_bt, k_addr, v_addr, block_bytes,
-                    block_size, per_req, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_TABLE: tl.constexpr, HAS_KV: tl.constexpr, VEC: tl.constexpr):
-    # L2 prefetches for the kernels after this one (runner.layers.l2_prefetch), before its own loads.
-    if HAS_TABLE:
-        prefetch_chunks(table_ptr, n_chunks, tl.program_id(0), tl.num_programs(0), VEC)
-    if HAS_KV:
-        prefetch_kv_blocks(bt_ptr, seq_ptr, n_req, stride_bt, k_addr, v_addr, block_bytes, block_size,
-                           per_req, tl.program_id(0), tl.num_programs(0), VEC)
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     # Input row r sits at (r // n_inner) * stride_a + (r % n_inner) * stride_b: a strided view such as
     # the q part of a fused q/k/v projection is read in place; the output is contiguous.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
@@ -61,14 +51,11 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_rows, n_cols, n_inner, stride_a, st
     tl.store(out_ptr + rows * n_cols + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch_table: torch.Tensor | None = None,
-             prefetch_kv: KVPrefetch | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, Hugging Face semantics; returns a new (contiguous) tensor.
 
     `x` may be a strided view whose last dimension has unit stride (no copy when its leading
-    dimensions merge into one stride). `prefetch_table` / `prefetch_kv`: L2 prefetches the same launch
-    issues for the kernels after it (`runner.layers.l2_prefetch`; GPU only, they change no value), from
-    at least `l2_prefetch.MIN_PROGRAMS` programs.
+    dimensions merge into one stride).
     """
     n_cols = x.shape[-1]
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
@@ -82,13 +69,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch_table: 
     n_rows = x3.shape[0] * n_inner
     block_n = triton.next_power_of_2(n_cols)
     block_r = max(1, min(64, 4096 // block_n))
-    programs = triton.cdiv(n_rows, block_r)
-    if prefetch_table is not None or prefetch_kv is not None:
-        programs = max(programs, l2_prefetch.MIN_PROGRAMS)  # the extra programs only prefetch
-    pf_args, pf_consts = l2_prefetch.prefetch_args(prefetch_table, prefetch_kv, x.device)
-    launch(_rmsnorm_kernel, (programs,))(
-        x3, weight, out, n_rows, n_cols, n_inner, x3.stride(0), x3.stride(1), eps, *pf_args,
-        BLOCK_R=block_r, BLOCK_N=block_n, **pf_consts, VEC=32 * 4, num_warps=4,
+    launch(_rmsnorm_kernel, (triton.cdiv(n_rows, block_r),))(
+        x3, weight, out, n_rows, n_cols, n_inner, x3.stride(0), x3.stride(1), eps,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4,
     )
     return out
 

@@ -696,9 +696,30 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, co
     return int(min(config.max_splits, max(1, slots // base)))
 
 
+def prefill_config_from_env(raw: str | None) -> PrefillConfig | None:
+    """`BRIDGE_PREFILL_CONFIG="block_m,tile_n,num_warps,num_stages"` (A/B runs of the 16-bit prefill kernel's
+    launch parameters); None when unset. A malformed value is a ValueError naming it."""
+    if not raw:
+        return None
+    try:
+        block_m, tile_n, warps, stages = (int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"BRIDGE_PREFILL_CONFIG must be four integers 'block_m,tile_n,num_warps,"
+                         f"num_stages', got {raw!r}") from None
+    powers = block_m & (block_m - 1) == 0 and tile_n & (tile_n - 1) == 0
+    if min(block_m, tile_n) < 16 or not powers or min(warps, stages) < 1:
+        raise ValueError(f"BRIDGE_PREFILL_CONFIG out of range: {raw!r}")
+    return PrefillConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
+
+
+_ENV_PREFILL_CONFIG = prefill_config_from_env(os.environ.get("BRIDGE_PREFILL_CONFIG"))
+
+
 def _default_prefill_config(
     head_dim: int, dtype: torch.dtype, max_query_len: int, group_pad: int
 ) -> PrefillConfig:
+    if _ENV_PREFILL_CONFIG is not None and dtype != torch.float32:
+        return _ENV_PREFILL_CONFIG
     # Short queries (a mixed batch of small chunks) waste less work with fewer rows per program.
     rows_needed = triton.next_power_of_2(max(1, max_query_len)) * group_pad
     block_m = max(16, min(128, rows_needed))
