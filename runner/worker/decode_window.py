@@ -25,6 +25,7 @@ import torch
 
 from runner.engine.step_io import SchedulerOutput
 from runner.layers.greedy_argmax import greedy_argmax
+from runner.worker.window_advance import advance_window_step
 
 if TYPE_CHECKING:  # the runner calls this module, not the other way round
     from runner.worker.model_runner import ModelRunner
@@ -70,18 +71,11 @@ def launch_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int,
             rows = torch.tensor([row_of[id(req)] for req in so.requests], dtype=torch.int64)
             v.input_ids[:r].copy_(last.index_select(0, _upload(rows, last.device)))
     alive = rows_alive(so, k, v.seq_lens.device)
-    dead = None if alive is None else alive == 0  # once per window, not per step
     for j in range(k):
-        if j:
-            v.input_ids[:r].copy_(tokens[j - 1, :r])
-            v.positions[:r] += 1
-            v.seq_lens[:r] += 1
-            pos = v.positions[:r] if deltas is None else v.positions[:r] - deltas
-            block = v.block_tables[:r].gather(1, torch.div(pos, bs, rounding_mode="floor").unsqueeze(1))
-            v.slot_mapping[:r].copy_(block.squeeze(1).long() * bs + pos % bs)
-            if alive is not None:  # rows past their max_tokens: no keys to read, no KV to write
-                v.seq_lens[:r].mul_(alive[j])
-                v.slot_mapping[:r].masked_fill_(dead[j], -1)
+        if j:  # rows past their max_tokens (alive 0): no keys to read, no KV to write
+            advance_window_step(tokens[j - 1, :r], v.input_ids[:r], v.positions[:r], v.seq_lens[:r],
+                                v.block_tables[:r], v.slot_mapping[:r], bs, deltas,
+                                None if alive is None else alive[j])
         runner.embeds_builder.build(runner.embed_tokens, v.input_ids)
         graph.replay()
         greedy_argmax(graphs.head_logits[:r], tokens[j, :r])

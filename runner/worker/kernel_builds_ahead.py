@@ -26,6 +26,7 @@ import torch
 from runner.config import MAX_DECODE_WINDOW
 from runner.layers.greedy_argmax import greedy_argmax
 from runner.layers.triton_launch import build_ahead
+from runner.worker import window_advance
 from runner.worker.cuda_graphs import mixed_graph_token_sizes
 from runner.worker.memory_profile import largest_step_on_scratch_cache
 from runner.worker.step_graphs import decode_graph_body, decode_graph_sizes, mixed_graph_body
@@ -75,6 +76,7 @@ def _run_startup_steps(runner: ModelRunner, largest_step: Callable[[], Scheduler
     for b in reversed(decode_sizes):
         decode_graph_body(runner, b)()
     greedy_argmax(outputs.head_logits[:1], outputs.window_tokens[0, :1])  # a decode window's argmax
+    window_advance.build_kernels(runner.device, runner.block_size)  # and its step advance
 
 
 __all__ = ["build_startup_kernels"]
