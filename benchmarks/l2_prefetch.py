@@ -61,11 +61,17 @@ def _bulk_prefetch(addr, nbytes, mask):
 
 
 @triton.jit
+def _share(n_items, pid, nprog):
+    """Program `pid` of `nprog`'s contiguous share [lo, hi) of `n_items` items."""
+    per = tl.cdiv(n_items, nprog)
+    lo = pid * per
+    return lo, tl.minimum(lo + per, n_items)
+
+
+@triton.jit
 def prefetch_chunks(table_ptr, n_chunks, pid, nprog, VEC: tl.constexpr):
     """Program `pid` of `nprog` prefetches its share of a table of (address, bytes) int64 pairs."""
-    per = tl.cdiv(n_chunks, nprog)
-    lo = pid * per
-    hi = tl.minimum(lo + per, n_chunks)
+    lo, hi = _share(n_chunks, pid, nprog)
     for start in range(lo, hi, VEC):
         i = start + tl.arange(0, VEC)
         m = i < hi
@@ -80,10 +86,7 @@ def prefetch_kv_blocks(bt_ptr, seq_ptr, n_req, stride_bt, k_addr, v_addr, block_
     """Program `pid` of `nprog` prefetches its share of the first `per_req` K and V blocks of every
     request (only blocks holding some of its `seq_lens` tokens): block b's K sits at
     `k_addr + b * block_bytes`, its V at `v_addr + b * block_bytes`."""
-    n_items = n_req * per_req
-    per = tl.cdiv(n_items, nprog)
-    lo = pid * per
-    hi = tl.minimum(lo + per, n_items)
+    lo, hi = _share(n_req * per_req, pid, nprog)
     for start in range(lo, hi, VEC):
         i = start + tl.arange(0, VEC)
         m = i < hi

@@ -696,16 +696,23 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, co
     return int(min(config.max_splits, max(1, slots // base)))
 
 
+def _env_ints(name: str, raw: str, fields: str) -> list[int]:
+    """`raw` (the value of the environment variable `name`) as the comma-separated integers `fields` names;
+    a ValueError naming the variable otherwise."""
+    count = fields.count(",") + 1
+    values = raw.split(",")
+    if len(values) == count and all(v.strip().lstrip("-").isdigit() for v in values):
+        return [int(v) for v in values]
+    raise ValueError(f"{name} must be {count} integers '{fields}', got {raw!r}")
+
+
 def prefill_config_from_env(raw: str | None) -> PrefillConfig | None:
     """`BRIDGE_PREFILL_CONFIG="block_m,tile_n,num_warps,num_stages"` (A/B runs of the 16-bit prefill kernel's
     launch parameters); None when unset. A malformed value is a ValueError naming it."""
     if not raw:
         return None
-    try:
-        block_m, tile_n, warps, stages = (int(v) for v in raw.split(","))
-    except ValueError:
-        raise ValueError(f"BRIDGE_PREFILL_CONFIG must be four integers 'block_m,tile_n,num_warps,"
-                         f"num_stages', got {raw!r}") from None
+    block_m, tile_n, warps, stages = _env_ints("BRIDGE_PREFILL_CONFIG", raw,
+                                               "block_m,tile_n,num_warps,num_stages")
     powers = block_m & (block_m - 1) == 0 and tile_n & (tile_n - 1) == 0
     if min(block_m, tile_n) < 16 or not powers or min(warps, stages) < 1:
         raise ValueError(f"BRIDGE_PREFILL_CONFIG out of range: {raw!r}")
@@ -735,11 +742,8 @@ def decode_config_from_env(raw: str | None) -> DecodeConfig | None:
     decode kernel's launch parameters); None when unset. A malformed value is a ValueError naming it."""
     if not raw:
         return None
-    try:
-        tile_n, warps, stages, per_sm, ahead = (int(v) for v in raw.split(","))
-    except ValueError:
-        raise ValueError(f"BRIDGE_DECODE_CONFIG must be five integers 'tile_n,num_warps,num_stages,"
-                         f"programs_per_sm,bt_ahead', got {raw!r}") from None
+    tile_n, warps, stages, per_sm, ahead = _env_ints("BRIDGE_DECODE_CONFIG", raw,
+                                                     "tile_n,num_warps,num_stages,programs_per_sm,bt_ahead")
     if tile_n < 16 or tile_n & (tile_n - 1) or min(warps, stages, per_sm) < 1 or ahead not in (0, 1):
         raise ValueError(f"BRIDGE_DECODE_CONFIG out of range: {raw!r}")
     return DecodeConfig(tile_n=tile_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,

@@ -81,10 +81,11 @@ def advance_window_step(prev_tokens: torch.Tensor, input_ids: torch.Tensor, posi
     views are); the torch ops elsewhere."""
     r = input_ids.shape[0]
     use_kernel = KERNEL and (input_ids.is_cuda or ON_CPU) and r > 0
-    rows = (prev_tokens, input_ids, positions, seq_lens, slot_mapping) + tuple(
-        t for t in (deltas, alive) if t is not None)
-    flat = all(t.shape == (r,) and t.stride(0) == 1 for t in rows) and block_tables.stride(1) == 1
-    if not use_kernel or not flat:
+    if use_kernel:  # the kernel reads (r,) rows with unit stride
+        rows = (prev_tokens, input_ids, positions, seq_lens, slot_mapping, deltas, alive)
+        use_kernel = block_tables.stride(1) == 1 and all(
+            t is None or (t.shape == (r,) and t.stride(0) == 1) for t in rows)
+    if not use_kernel:
         advance_window_step_reference(prev_tokens, input_ids, positions, seq_lens, block_tables, slot_mapping,
                                       block_size, deltas, alive)
         return
