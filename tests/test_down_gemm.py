@@ -206,6 +206,36 @@ def test_greedy_argmax_matches_torch_ties_nan_and_inf(dtype):
         greedy_argmax(x, torch.empty(5, dtype=torch.int32))
 
 
+def test_greedy_argmax_chunks_of_several_blocks():
+    """40,000 columns: chunks of two whole 1,024-column blocks (loaded unmasked), a partial block in the
+    last non-empty chunk and empty chunks after it; maxima placed in each kind of place."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 40000, generator=g).to(torch.bfloat16)
+    x[0, 2047] = 30  # the last column of the first chunk
+    x[1, 39999] = 30  # the last column of the row, in the partial block
+    x[2, 2048] = x[2, 4095] = 30  # a tie between two blocks of one chunk: the first wins
+    x[3, 12345] = float("nan")
+    out = torch.empty(4, dtype=torch.int64)
+    greedy_argmax(x, out)
+    assert out.tolist() == torch.argmax(x, dim=-1).tolist() == [2047, 39999, 2048, 12345]
+
+
+_ARGMAX_FOR_SM90 = r"""
+from runner.layers import greedy_argmax as ga
+
+ptx = build_sm90(ga._argmax_chunks_kernel, dict(x_ptr="*bf16", val_ptr="*fp32", idx_ptr="*i32"),
+                 dict(CHUNKS=ga.CHUNKS, BLOCK=ga.BLOCK), ["x_ptr", "stride_x"], num_warps=4).asm["ptx"]
+print("vector loads:", "ld.global.v4.b32" in ptx or "ld.global.nc.v4.b32" in ptx)
+"""
+
+
+def test_greedy_argmax_full_blocks_load_as_vectors_on_sm90():
+    """The whole blocks of a chunk compile to 16-byte loads for Hopper (no GPU needed)."""
+    from helpers import compile_for_sm90
+
+    assert "vector loads: True" in compile_for_sm90(_ARGMAX_FOR_SM90)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu

@@ -22,35 +22,51 @@ import triton.language as tl
 
 from runner.layers.triton_launch import launch
 
-# Programs per row in stage 1 (a constant, so one build serves every batch size): at 64 rows, 2,048
-# programs of ~4,700 logits each, enough to stream at bandwidth; at 1 row the whole call is a few us.
+# Programs per row in stage 1 (a constant, so one build serves every batch size), the columns one program
+# loads per iteration, and its warps. `benchmarks/greedy_argmax.py --sweep` times other settings.
 CHUNKS = 32
 BLOCK = 1024
+NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["n_cols", "chunk"])
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, chunk,
+@triton.jit
+def _scan_block(x_ptr, cols, hi, best, best_nan, best_idx, MASKED: tl.constexpr):
+    """Fold the logits at `cols` into each lane's running (best, is-NaN, index)."""
+    if MASKED:
+        ok = cols < hi
+        x = tl.load(x_ptr + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + cols).to(tl.float32)
+    is_nan = x != x
+    # Per lane, the earliest column wins a tie (later columns must be strictly larger); a NaN beats any
+    # number and loses to an earlier NaN.
+    empty = best_idx == 2147483647
+    take = empty | (~best_nan & (is_nan | (x > best)))
+    if MASKED:
+        take = ok & take
+    return tl.where(take, x, best), tl.where(take, is_nan, best_nan), tl.where(take, cols, best_idx)
+
+
+@triton.jit(do_not_specialize=["n_cols", "chunk_blocks"])
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, chunk_blocks,
                           CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    lo = c * chunk
-    hi = tl.minimum(lo + chunk, n_cols)
+    # A chunk is a whole number of BLOCKs and its whole blocks load without a mask, so Triton can prove
+    # 16-byte alignment (with the row stride, specialised) and a uniform mask: vector loads. A chunk of
+    # any length (4,748 columns at W1's vocabulary), every block masked, loaded two bytes a lane at a time.
+    lo = c * chunk_blocks * BLOCK
+    hi = tl.minimum(lo + chunk_blocks * BLOCK, n_cols)
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK * BLOCK
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_nan = tl.zeros([BLOCK], dtype=tl.int1)
     best_idx = tl.full([BLOCK], 2147483647, dtype=tl.int32)
     offs = tl.arange(0, BLOCK)
-    for start in range(lo, hi, BLOCK):
-        cols = start + offs
-        ok = cols < hi
-        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        is_nan = x != x
-        # Per lane, the earliest column wins a tie (later columns must be strictly larger); a NaN beats
-        # any number and loses to an earlier NaN.
-        empty = best_idx == 2147483647
-        take = ok & (empty | (~best_nan & (is_nan | (x > best))))
-        best = tl.where(take, x, best)
-        best_nan = tl.where(take, is_nan, best_nan)
-        best_idx = tl.where(take, cols, best_idx)
+    x_row = x_ptr + row * stride_x
+    for start in range(lo, full_hi, BLOCK):
+        best, best_nan, best_idx = _scan_block(x_row, start + offs, hi, best, best_nan, best_idx, False)
+    if full_hi < hi:  # the row's last, partial block
+        best, best_nan, best_idx = _scan_block(x_row, full_hi + offs, hi, best, best_nan, best_idx, True)
     key = tl.where(best_nan, float("inf"), best)
     has_nan = tl.max(best_nan.to(tl.int32), 0) > 0
     top = tl.max(key, 0)
@@ -87,11 +103,11 @@ def greedy_argmax(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out
     if n_cols == 0 or n_cols >= 2**31 - 1:
         raise ValueError(f"greedy_argmax takes 1 to 2**31 - 2 columns, got {n_cols}")
-    chunk = triton.cdiv(n_cols, CHUNKS)
+    chunk_blocks = triton.cdiv(triton.cdiv(n_cols, CHUNKS), BLOCK)  # the last chunks may be short or empty
     vals = torch.empty((rows, CHUNKS), dtype=torch.float32, device=logits.device)
     idxs = torch.empty((rows, CHUNKS), dtype=torch.int32, device=logits.device)
-    launch(_argmax_chunks_kernel, (rows, CHUNKS))(logits, vals, idxs, n_cols, logits.stride(0), chunk,
-                                                 CHUNKS=CHUNKS, BLOCK=BLOCK, num_warps=4)
+    launch(_argmax_chunks_kernel, (rows, CHUNKS))(logits, vals, idxs, n_cols, logits.stride(0), chunk_blocks,
+                                                 CHUNKS=CHUNKS, BLOCK=BLOCK, num_warps=NUM_WARPS)
     launch(_argmax_rows_kernel, (rows,))(vals, idxs, out, out.stride(0), CHUNKS=CHUNKS, num_warps=1)
     return out
 
