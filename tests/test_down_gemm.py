@@ -351,14 +351,25 @@ for cfg in (dg.default_pdl_config(64), dg.default_pdl_config(1)):
 silu = build_sm90(fl._silu_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"),
                   dict(BLOCK=1024, RELEASE=True), ["x_ptr", "out_ptr"], num_warps=4)
 print("silu", "griddepcontrol.launch_dependents" in silu.asm["ptx"])
+rownorm = build_sm90(fl._silu_mul_rownorm_kernel, dict(gu_ptr="*bf16", x_ptr="*bf16", out_ptr="*bf16",
+                     eps="fp32"), dict(BLOCK=1024, BLOCK_H=1024, RELEASE=True),
+                     ["gu_ptr", "x_ptr", "out_ptr"], num_warps=4)
+print("rownorm", "griddepcontrol.launch_dependents" in rownorm.asm["ptx"])
+import runner.layers.fused_layers as fls
+qkv = build_sm90(fls._qkv_norm_rope_write_kernel, dict(
+    qkv_ptr="*bf16", q_out_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_norm_ptr="*bf16",
+    k_norm_ptr="*bf16", slot_ptr="*i64", k_cache_ptr="*bf16", v_cache_ptr="*bf16", eps="fp32", x_ptr="*bf16",
+    row_eps="fp32"), dict(HALF=64, BLOCK_Q=16, BLOCK_KV=8, HAS_NORM=True, ROW_SCALE=True, BLOCK_H=1024,
+    RELEASE=True), [], num_warps=4)
+print("qkv", "griddepcontrol.launch_dependents" in qkv.asm["ptx"])
 """
 
 
 def test_pdl_kernels_compile_for_sm90_with_the_weights_read_before_the_wait():
     """Compiled for Hopper without a GPU: the weights-first down kernel issues its weight loads before
     `griddepcontrol.wait` and its activation loads after it (the compiler could have sunk them past the
-    wait, which would leave nothing to overlap), and is marked for PDL launches; SiLU*mul releases its
-    dependents."""
+    wait, which would leave nothing to overlap), and is marked for PDL launches; SiLU*mul (both forms) and
+    the q/k/v epilogue (with its row scale) release their dependents."""
     from helpers import compile_for_sm90
 
     lines = compile_for_sm90(_PDL_FOR_SM90).splitlines()
@@ -366,7 +377,7 @@ def test_pdl_kernels_compile_for_sm90_with_the_weights_read_before_the_wait():
     assert len(downs) == 2, lines
     for _, _, before, after, marked in downs:
         assert int(before) > 0 and int(after) > 0 and marked == "True", lines
-    assert "silu True" in lines
+    assert "silu True" in lines and "rownorm True" in lines and "qkv True" in lines
 
 
 @pytest.mark.gpu

@@ -97,6 +97,32 @@ def test_qkv_norm_rope_write_matches_reference(dtype, with_norm):
     assert (flat_k[untouched] == sentinel).all() and (flat_v[untouched] == sentinel).all()
 
 
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qkv_norm_rope_write_row_scale_is_the_projection_of_the_normalised_row(with_norm):
+    """`row_scale=(x, eps)`: the rows of an unnormalised projection scaled by rsqrt(mean(x**2) + eps) of
+    their input rows give what the scaled projection gives without it (q, k and v)."""
+    g = torch.Generator().manual_seed(13)
+    t, hq, hkv, d, hidden = 5, 4, 2, 16, 40
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    x = torch.randn(t, hidden, generator=g) * 3
+    r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    angles = torch.randn(t, d // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    weights = torch.rand(2, d, generator=g) + 0.5
+    qk_norm = (weights[0], weights[1], 1e-6) if with_norm else None
+    slots = torch.tensor([3, 17, -1, 0, 9])
+    caches = [torch.zeros(5, 4, hkv, d) for _ in range(4)]
+    q = fused_layers.qkv_norm_rope_write(qkv, hq, hkv, cos, sin, caches[0], caches[1], slots, qk_norm,
+                                         row_scale=(x, 1e-6))
+    want = fused_layers.qkv_norm_rope_write(qkv * r, hq, hkv, cos, sin, caches[2], caches[3], slots, qk_norm)
+    torch.testing.assert_close(q, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0], caches[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[1], caches[3], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="row_scale"):
+        fused_layers.qkv_norm_rope_write(qkv, hq, hkv, cos, sin, caches[0], caches[1], slots, qk_norm,
+                                         row_scale=(x[:2], 1e-6))
+
+
 def test_qkv_norm_rope_write_rejects_bad_shapes():
     kc = torch.zeros(2, 4, 2, 16)
     cos = torch.zeros(3, 16)
@@ -132,6 +158,72 @@ def test_engine_greedy_with_fused_layers_matches_hf(family, model_dirs, fused_on
     assert llm.runner.num_graph_replays > 0
     assert len(kernel_calls) >= NUM_LAYERS * llm.runner.num_forward_steps  # every layer, every step, fused
     assert llm.num_free_blocks == llm.num_total_blocks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_norms_folded_into_the_projections_keep_the_model(family, model_dirs, fused_on_cpu, monkeypatch):
+    """Both RMSNorms' weights folded into the merged projections after them (as on CUDA; the input norm
+    only where q/k/v have no bias, so not qwen2's): the norms' weights are ones, the projections view the
+    folded rows, HF's own forward gives the same logits within fp32 rounding, and the engine (every step
+    through `silu_mul_rownorm` and the row-scaled q/k/v epilogue) still produces HF's greedy tokens."""
+    monkeypatch.setattr(fused_layers, "FOLD_ON_CPU", True)
+    ref = load_hf_fp32(model_dirs[family])
+    g = torch.Generator().manual_seed(29)
+    prompts = [torch.randint(10, ref.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    with torch.no_grad():
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+                    for p in prompts]
+    input_folded = family != "qwen2"
+
+    model = load_hf_fp32(model_dirs[family])
+    fused_linear.fuse_linears(model)
+    assert fused_layers.fuse_decoder_layers(model) == NUM_LAYERS
+    for layer, ref_layer in zip(model.model.layers, ref.model.layers):
+        assert layer.bridge_post_norm_folded
+        assert getattr(layer, "bridge_input_norm_folded", False) == input_folded
+        pairs = [(layer.post_attention_layernorm, ref_layer.post_attention_layernorm, layer.mlp.gate_proj,
+                  ref_layer.mlp.gate_proj)]
+        if input_folded:
+            pairs.append((layer.input_layernorm, ref_layer.input_layernorm, layer.self_attn.k_proj,
+                          ref_layer.self_attn.k_proj))
+        for norm, ref_norm, proj, ref_proj in pairs:
+            assert torch.equal(norm.weight, torch.ones_like(norm.weight))
+            torch.testing.assert_close(proj.weight, ref_proj.weight * ref_norm.weight)
+        rows = layer.mlp.gate_proj.weight.shape[0]
+        assert layer.mlp.up_proj.weight.data_ptr() == layer.mlp.bridge_gate_up_weight[rows:].data_ptr()
+    ids = torch.randint(5, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+    llm = LLM(model_dirs[family], dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=32,
+              max_num_seqs=4)
+    runner_model = llm.runner.model
+    fused_linear.fuse_linears(runner_model)
+    assert fused_layers.fuse_decoder_layers(runner_model) == NUM_LAYERS
+    calls = {"silu": [], "qkv": []}
+    silu, qkv = fused_layers.silu_mul_rownorm, fused_layers.qkv_norm_rope_write
+    monkeypatch.setattr(fused_layers, "silu_mul_rownorm", lambda *a: calls["silu"].append(1) or silu(*a))
+    monkeypatch.setattr(fused_layers, "qkv_norm_rope_write",
+                        lambda *a, **k: calls["qkv"].append(k.get("row_scale") is not None) or qkv(*a, **k))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert len(calls["silu"]) >= NUM_LAYERS * llm.runner.num_forward_steps
+    assert calls["qkv"] and all(scaled == input_folded for scaled in calls["qkv"])
+
+
+def test_norms_stay_unfolded_off_cuda_and_with_the_switch_off(model_dirs, fused_on_cpu, monkeypatch):
+    model = load_hf_fp32(model_dirs["qwen3"])
+    fused_linear.fuse_linears(model)
+    fused_layers.fuse_decoder_layers(model)  # CPU weights: no fold (FOLD_ON_CPU is off)
+    folded = ("bridge_post_norm_folded", "bridge_input_norm_folded")
+    assert not any(hasattr(layer, a) for layer in model.model.layers for a in folded)
+    monkeypatch.setattr(fused_layers, "FOLD_ON_CPU", True)
+    monkeypatch.setattr(fused_layers, "FOLD_NORMS", False)
+    model = load_hf_fp32(model_dirs["qwen3"])
+    fused_linear.fuse_linears(model)
+    fused_layers.fuse_decoder_layers(model)
+    assert not any(hasattr(layer, a) for layer in model.model.layers for a in folded)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -62,6 +62,32 @@ def test_silu_mul_rejects_odd_width():
         fused_linear.silu_mul_triton(torch.zeros(2, 7))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, hidden, inter", [(5, 96, 200), (3, 64, 1500), (0, 64, 64)])
+def test_silu_mul_rownorm_is_the_norm_then_the_projection(rows, hidden, inter, dtype, triton_on_cpu):
+    """With an RMSNorm's weight folded into the gate/up weight, scaling the unnormalised projection by
+    each row's RMS scale gives RMSNorm -> gate/up -> SiLU*mul: the kernel (interpreter) equals its torch
+    twin, and both equal the unfolded composition within the dtype's rounding. 1,500 columns span two
+    programs per row; a hidden size off a power of two masks the row's tail."""
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    norm_w = (1 + 0.3 * torch.randn(hidden, generator=g)).to(dtype)
+    w = (torch.randn(2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
+    eps = 1e-6
+    folded = (w.float() * norm_w.float()).to(dtype)
+    got = fused_linear.silu_mul_rownorm(x @ folded.T, x, eps)
+    twin = fused_linear.silu_mul_rownorm_reference(x @ folded.T, x, eps)
+    x32 = x.float()
+    h = (norm_w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)).to(dtype)
+    unfolded = fused_linear.silu_mul_reference(h @ w.T)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, twin, rtol=tol, atol=tol)
+    torch.testing.assert_close(got, unfolded, rtol=tol, atol=tol if dtype == torch.float32 else 6e-2)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        fused_linear.silu_mul_rownorm(torch.zeros(2, 7), torch.zeros(2, 4), eps)
+
+
 def test_rms_norm_reads_strided_views_in_place():
     """The q part of a fused q/k/v output, viewed per head, is a non-contiguous input to q_norm."""
     g = torch.Generator().manual_seed(4)

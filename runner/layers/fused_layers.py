@@ -48,7 +48,7 @@ from runner.config import env_int, env_switch
 from runner.layers import pdl
 from runner.layers.attention_metadata import current_forward_context
 from runner.layers.down_gemm import down_residual_supported, new_counters, residual_gemm
-from runner.layers.fused_linear import silu_mul
+from runner.layers.fused_linear import silu_mul, silu_mul_rownorm
 from runner.layers.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
 from runner.layers.hf_attention import get_attention_backend
 from runner.layers.norm_gemm import (
@@ -60,6 +60,7 @@ from runner.layers.norm_gemm import (
     qkv_splits_configured,
 )
 from runner.layers.paged_attention import paged_attention
+from runner.layers.pdl import release_dependents
 from runner.layers.triton_launch import launch
 
 FUSABLE_LAYER_CLASSES = frozenset(
@@ -98,6 +99,13 @@ NORM_GEMM_ON_CPU = False
 PDL_MAX_ROWS = 32
 # Like NORM_GEMM_ON_CPU, for the PDL kernels (tests: ordinary launches under TRITON_INTERPRET=1).
 PDL_ON_CPU = False
+# A layer's two RMSNorm weights folded into the merged q/k/v and gate/up weights at fuse time (see
+# `_fold_norm`): steps that do not take the norm-GEMM kernels then run those GEMMs on the unnormalised rows
+# and the kernel after each applies the row's RMS scale, one launch fewer per norm. BRIDGE_FOLD_NORMS=0
+# (read at import) keeps the norms' own kernels.
+FOLD_NORMS = env_switch("BRIDGE_FOLD_NORMS")
+# The fold is made for CUDA weights only, unless a test turns this on.
+FOLD_ON_CPU = False
 
 
 def _pdl_here(device: torch.device) -> bool:
@@ -112,12 +120,22 @@ def _pdl_here(device: torch.device) -> bool:
 def _qkv_norm_rope_write_kernel(
     qkv_ptr, q_out_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
     stride_t, stride_qo, stride_c, stride_s, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-    stride_vh, n_q, n_kv, block_size, eps,
+    stride_vh, n_q, n_kv, block_size, eps, x_ptr, stride_x, n_hidden, row_eps,
     HALF: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_NORM: tl.constexpr,
+    ROW_SCALE: tl.constexpr, BLOCK_H: tl.constexpr, RELEASE: tl.constexpr,
 ):
+    release_dependents(RELEASE)  # a PDL decode attention after it may start (runner.layers.pdl)
     # One program per token: its q heads go to q_out, its k and v heads to their cache slot.
     t = tl.program_id(0).to(tl.int64)
     dtype = qkv_ptr.dtype.element_ty
+    scale = 1.0
+    if ROW_SCALE:
+        # The projection ran on the unnormalised row, its RMSNorm's weight folded into the q/k/v weight
+        # (`_fold_input_norm`): the row's RMS scale, as HF's RMSNorm computes it, makes it the projection
+        # of the normalised row.
+        h = tl.arange(0, BLOCK_H)
+        xv = tl.load(x_ptr + t * stride_x + h, mask=h < n_hidden, other=0.0).to(tl.float32)
+        scale = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / n_hidden + row_eps)
     d = tl.arange(0, HALF)[None, :]
     c1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
     c2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)
@@ -127,8 +145,8 @@ def _qkv_norm_rope_write_kernel(
 
     hq = tl.arange(0, BLOCK_Q)[:, None]
     mq = hq < n_q
-    x1 = tl.load(row + hq * (2 * HALF) + d, mask=mq, other=0.0).to(tl.float32)
-    x2 = tl.load(row + hq * (2 * HALF) + HALF + d, mask=mq, other=0.0).to(tl.float32)
+    x1 = tl.load(row + hq * (2 * HALF) + d, mask=mq, other=0.0).to(tl.float32) * scale
+    x2 = tl.load(row + hq * (2 * HALF) + HALF + d, mask=mq, other=0.0).to(tl.float32) * scale
     if HAS_NORM:
         x1, x2 = head_rmsnorm(x1, x2, q_norm_ptr, d, eps, HALF, dtype)
     q_row = q_out_ptr + t * stride_qo + hq * (2 * HALF)
@@ -142,8 +160,8 @@ def _qkv_norm_rope_write_kernel(
     blk = tl.maximum(slot, 0) // block_size
     off = tl.maximum(slot, 0) % block_size
     k_base = row + n_q * (2 * HALF) + hk * (2 * HALF)
-    y1 = tl.load(k_base + d, mask=in_k, other=0.0).to(tl.float32)
-    y2 = tl.load(k_base + HALF + d, mask=in_k, other=0.0).to(tl.float32)
+    y1 = tl.load(k_base + d, mask=in_k, other=0.0).to(tl.float32) * scale
+    y2 = tl.load(k_base + HALF + d, mask=in_k, other=0.0).to(tl.float32) * scale
     if HAS_NORM:
         y1, y2 = head_rmsnorm(y1, y2, k_norm_ptr, d, eps, HALF, dtype)
     k_dst = k_cache_ptr + blk * stride_kb + off * stride_ks + hk * stride_kh
@@ -152,10 +170,13 @@ def _qkv_norm_rope_write_kernel(
 
     v_base = k_base + n_kv * (2 * HALF)
     v_dst = v_cache_ptr + blk * stride_vb + off * stride_vs + hk * stride_vh
-    tl.store(v_dst + d, tl.load(v_base + d, mask=in_k, other=0.0).to(v_cache_ptr.dtype.element_ty),
-             mask=write)
-    tl.store(v_dst + HALF + d, tl.load(v_base + HALF + d, mask=in_k, other=0.0).to(
-        v_cache_ptr.dtype.element_ty), mask=write)
+    v1 = tl.load(v_base + d, mask=in_k, other=0.0)
+    v2 = tl.load(v_base + HALF + d, mask=in_k, other=0.0)
+    if ROW_SCALE:
+        v1 = v1.to(tl.float32) * scale
+        v2 = v2.to(tl.float32) * scale
+    tl.store(v_dst + d, v1.to(v_cache_ptr.dtype.element_ty), mask=write)
+    tl.store(v_dst + HALF + d, v2.to(v_cache_ptr.dtype.element_ty), mask=write)
 
 
 def qkv_norm_rope_write(
@@ -168,12 +189,16 @@ def qkv_norm_rope_write(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     q_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    row_scale: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Split a fused projection `qkv` (T, (Hq + 2 Hkv) D) into heads; return rotated q (T, Hq, D).
 
-    Optionally RMS-normalises every q and k head first (`q_norm` = (q weight, k weight, eps), Qwen3);
-    rotates q and k by `cos`/`sin` (T, D) as HF's `apply_rotary_pos_emb`; writes k and v into
-    the paged caches (num_blocks, block_size, Hkv, D) at `slot_mapping` (-1: not written).
+    Optionally scales each row by the RMS scale `rsqrt(mean(x**2) + eps)` of the row of `x` that
+    produced it first (`row_scale` = (x (T, H), eps): a projection of unnormalised rows with the
+    RMSNorm's weight folded into its weight); optionally RMS-normalises every q and k head (`q_norm` =
+    (q weight, k weight, eps), Qwen3); rotates q and k by `cos`/`sin` (T, D) as HF's
+    `apply_rotary_pos_emb`; writes k and v into the paged caches (num_blocks, block_size, Hkv, D) at
+    `slot_mapping` (-1: not written).
     """
     t = qkv.shape[0]
     head_dim = key_cache.shape[-1]
@@ -191,14 +216,19 @@ def qkv_norm_rope_write(
     if t == 0:
         return q_out
     qw, kw, eps = q_norm if q_norm is not None else (qkv, qkv, 0.0)  # unused pointers without a norm
+    x, row_eps = row_scale if row_scale is not None else (qkv, 0.0)  # unused without a row scale
+    if row_scale is not None and (x.dim() != 2 or x.shape[0] != t or x.stride(1) != 1):
+        raise ValueError(f"row_scale's rows must be ({t}, H) with unit last stride, got {tuple(x.shape)}")
     launch(_qkv_norm_rope_write_kernel, (t,))(
         qkv, q_out, cos, sin, qw, kw, slot_mapping, key_cache, value_cache,
         qkv.stride(0), q_out.stride(0), cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        num_q_heads, num_kv_heads, key_cache.shape[1], eps,
+        num_q_heads, num_kv_heads, key_cache.shape[1], eps, x, x.stride(0), x.shape[1], row_eps,
         HALF=half, BLOCK_Q=triton.next_power_of_2(num_q_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-        HAS_NORM=q_norm is not None, num_warps=4,
+        HAS_NORM=q_norm is not None, ROW_SCALE=row_scale is not None,
+        BLOCK_H=triton.next_power_of_2(x.shape[1]) if row_scale is not None else 1,
+        RELEASE=pdl.use_pdl(qkv.device), num_warps=4,
     )  # fmt: skip
     return q_out
 
@@ -307,6 +337,11 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
             cos[0], sin[0], key_cache, value_cache, meta.slot_mapping, qk_norm,
             counters=getattr(attn, "bridge_qkv_counters", None),
         )
+    elif getattr(layer, "bridge_input_norm_folded", False):  # the norm's weight is in the q/k/v weight
+        q = qkv_norm_rope_write(
+            F.linear(x, attn.bridge_qkv_weight), n_q, n_kv, cos[0], sin[0], key_cache, value_cache,
+            meta.slot_mapping, qk_norm, row_scale=(x, norm.variance_epsilon),
+        )
     else:
         h = rms_norm(x, norm.weight, norm.variance_epsilon)
         qkv = F.linear(h, attn.bridge_qkv_weight, attn.bridge_qkv_bias)
@@ -324,8 +359,10 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     else:
         x = _linear_plus_residual(x, o, attn.o_proj, inplace=owned)
 
-    if norm_gemm and t <= NORM_GATE_UP_MAX_ROWS:
+    if norm_gemm and t <= NORM_GATE_UP_MAX_ROWS:  # (a folded norm's weight is ones)
         act = norm_gate_up_silu(x, post_norm.weight, post_norm.variance_epsilon, mlp.bridge_gate_up_weight)
+    elif getattr(layer, "bridge_post_norm_folded", False):
+        act = silu_mul_rownorm(F.linear(x, mlp.bridge_gate_up_weight), x, post_norm.variance_epsilon)
     else:
         h = rms_norm(x, post_norm.weight, post_norm.variance_epsilon)
         act = silu_mul(F.linear(h, mlp.bridge_gate_up_weight))  # releases a PDL down projection early
@@ -340,6 +377,35 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
     return _owned_output(x)
 
 
+@torch.no_grad()
+def _fold_norm(norm: torch.nn.Module, w: torch.Tensor) -> bool:
+    """Fold an RMSNorm's weight into the columns of the merged weight `w` it feeds; True when done.
+
+    `RMSNorm(x) = weight * (x * r)` with `r = rsqrt(mean(x**2) + eps)` per row, so `W @ RMSNorm(x) =
+    r * ((W * weight) @ x)`: with the weight in the GEMM's columns the norm's own launch goes, and the
+    kernel after the GEMM applies `r` (`silu_mul_rownorm`, `qkv_norm_rope_write(row_scale=...)`). Every
+    path stays the same model: the norm's weight becomes ones (HF's forward and the norm-GEMM kernels
+    still normalise, by ones) and `w` is what the projections view. The products round to the weight's
+    dtype once here, so logits move within that dtype's rounding: a switch (BRIDGE_FOLD_NORMS=0), not an
+    identity.
+    """
+    if not FOLD_NORMS or not (w.is_cuda or FOLD_ON_CPU) or tuple(norm.weight.shape) != (w.shape[1],):
+        return False
+    w.copy_((w.float() * norm.weight.float()).to(w.dtype))
+    norm.weight.fill_(1.0)
+    return True
+
+
+def _fold_layer_norms(layer: torch.nn.Module) -> None:
+    """Both of a fused layer's RMSNorms into the merged weights after them (`_fold_norm`); the input norm
+    only where q/k/v have no bias (`r * (W x) + b` is not what a GEMM with the bias computes)."""
+    if _fold_norm(layer.post_attention_layernorm, layer.mlp.bridge_gate_up_weight):
+        layer.bridge_post_norm_folded = True
+    attn = layer.self_attn
+    if attn.bridge_qkv_bias is None and _fold_norm(layer.input_layernorm, attn.bridge_qkv_weight):
+        layer.bridge_input_norm_folded = True
+
+
 def fuse_decoder_layers(model: torch.nn.Module) -> int:
     """Give every fusable decoder layer of `model` the fused forward; returns how many.
 
@@ -352,6 +418,7 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
             continue
         layer.bridge_original_forward = layer.forward
         layer.forward = functools.partial(_fused_layer_forward, layer)
+        _fold_layer_norms(layer)
         down, o_proj = layer.mlp.down_proj, layer.self_attn.o_proj
         with_pdl = _pdl_here(o_proj.weight.device)
         max_rows = max(NORM_GATE_UP_MAX_ROWS, PDL_MAX_ROWS if with_pdl else 0)

@@ -90,6 +90,61 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_mul_reference(x)
 
 
+# ------------------------------------------------------------------- SiLU*mul with the row's RMS scale
+
+# Each program holds its whole row of x (fp32) to take its RMS: wider rows take the torch path.
+ROWNORM_MAX_HIDDEN = 16384
+
+@triton.jit
+def _silu_mul_rownorm_kernel(gu_ptr, x_ptr, out_ptr, n_inter, n_hidden, stride_gu, stride_x, stride_o, eps,
+                             BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, RELEASE: tl.constexpr):
+    release_dependents(RELEASE)  # a PDL down projection after it may start loading its weights
+    row = tl.program_id(0).to(tl.int64)
+    # The row's RMS scale, as HF's RMSNorm computes it: fp32 mean of squares, rsqrt(mean + eps).
+    h = tl.arange(0, BLOCK_H)
+    xv = tl.load(x_ptr + row * stride_x + h, mask=h < n_hidden, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / n_hidden + eps)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_inter
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32) * r
+    u = tl.load(gu_ptr + row * stride_gu + n_inter + cols, mask=mask, other=0.0).to(tl.float32) * r
+    s = (g / (1.0 + tl.exp(-g))).to(gu_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_rownorm_reference(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`SiLU(r * gate) * (r * up)` with `r = rsqrt(mean(x**2) + eps)` per row of `x`, in torch.
+
+    With an RMSNorm's weight folded into the gate/up weight, `gate_up = x @ (W * weight).T` is the MLP's
+    projection of the unnormalised row, and scaling it by the row's `r` is the projection of the
+    normalised one: `RMSNorm -> gate/up -> SiLU*mul` without the norm's own launch.
+    """
+    r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    gate, up = (gate_up.float() * r).chunk(2, dim=-1)
+    return (F.silu(gate).to(gate_up.dtype).float() * up).to(gate_up.dtype)
+
+
+def silu_mul_rownorm(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`silu_mul_rownorm_reference` in one Triton launch on CUDA (or on the CPU when `SILU_MUL_ON_CPU`);
+    `gate_up` (rows, 2I) and `x` (rows, H) with unit last stride; returns a contiguous (rows, I) tensor."""
+    if gate_up.dim() != 2 or x.dim() != 2 or gate_up.shape[0] != x.shape[0] or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be (rows, 2I) and x (rows, H), got {tuple(gate_up.shape)} and "
+                         f"{tuple(x.shape)}")
+    if (not (gate_up.is_cuda or SILU_MUL_ON_CPU) or gate_up.stride(1) != 1 or x.stride(1) != 1
+            or x.shape[1] > ROWNORM_MAX_HIDDEN):
+        return silu_mul_rownorm_reference(gate_up, x, eps)
+    n_rows, n_inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n_rows, n_inter), dtype=gate_up.dtype, device=gate_up.device)
+    if n_rows == 0 or n_inter == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n_inter))
+    launch(_silu_mul_rownorm_kernel, (n_rows, triton.cdiv(n_inter, block)))(
+        gate_up, x, out, n_inter, x.shape[1], gate_up.stride(0), x.stride(0), n_inter, eps, BLOCK=block,
+        BLOCK_H=triton.next_power_of_2(x.shape[1]), RELEASE=use_pdl(gate_up.device), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- MLP
 
 def _is_plain_linear(m) -> bool:
