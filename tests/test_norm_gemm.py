@@ -116,34 +116,6 @@ def test_norm_qkv_rope_write_matches_unfused_bf16(m, head_dim, groups, bias, qk_
     compare_qkv(c)
 
 
-def compare_folded_qkv(c, config=None):
-    """`norm_folded=True` (the norm's weight in the q/k/v weight, ones as the norm's weight) against the
-    engine's folded two-launch path: the GEMM on the raw rows, then the epilogue with the row scale. The
-    rounding points differ by one (the fused kernel scales before its one rounding, the two launches round
-    the GEMM's output and then scale), so a few ulps and fewer bitwise-equal elements are allowed."""
-    folded_w = (c["qkv_weight"].float() * c["norm_weight"].float()).to(c["qkv_weight"].dtype)
-    ones = torch.ones_like(c["norm_weight"])
-    ref, got = _with_fresh_caches(c), _with_fresh_caches(c)
-    want_q = qkv_norm_rope_write(F.linear(c["x"], folded_w), c["num_q_heads"], c["num_kv_heads"], c["cos"],
-                                 c["sin"], ref["key_cache"], ref["value_cache"], c["slot_mapping"],
-                                 c["q_norm"], row_scale=(c["x"], c["eps"]))
-    q = norm_qkv_rope_write(**{**got, "qkv_weight": folded_w, "norm_weight": ones}, config=config,
-                            norm_folded=True)
-    dtype = c["x"].dtype
-    for a, b in ((q, want_q), (got["key_cache"], ref["key_cache"]), (got["value_cache"], ref["value_cache"])):
-        assert_close_ulps(a, b, dtype, ulps=8, min_exact=0.5)
-
-
-@pytest.mark.parametrize("m,k,config", [
-    (17, 96, NormGemmConfig(block_m=8, block_k=32)),  # three K steps, three M blocks
-    (5, 80, NormGemmConfig(block_m=16, block_k=32)),  # K not a multiple of the K step: masked
-    (6, 64, None),
-])
-def test_norm_qkv_rope_write_with_the_norm_folded(m, k, config):
-    c = _qkv_case(m, 4, 2, 64, k, torch.bfloat16, bias=False, qk_norm=True, seed=k + 1, pad_rows=(1,))
-    compare_folded_qkv(c, config)
-
-
 @pytest.mark.parametrize("m,k,config", [
     (17, 96, NormGemmConfig(block_m=8, block_k=32)),  # three K steps, three M blocks
     (5, 80, NormGemmConfig(block_m=16, block_k=32)),  # K not a multiple of the K step: masked
@@ -344,25 +316,24 @@ fn = ng._norm_qkv_rope_write_kernel
 types = dict(x_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", q_out_ptr="*bf16", cos_ptr="*bf16",
              sin_ptr="*bf16", q_norm_ptr="*bf16", k_norm_ptr="*bf16", slot_ptr="*i64", k_cache_ptr="*bf16",
              v_cache_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", eps="fp32", head_eps="fp32")
-for splits, raw in ((1, False), (4, False), (1, True)):
+for splits in (1, 4):
     consts = dict(HALF=64, HAS_BIAS=False, HAS_NORM=True, BLOCK_M=16, BLOCK_K=256, EVEN_K=True, SWAP_AB=True,
                   STATS_K=256, STATS_CHUNKS=4, EVEN_STATS=True, INTERPRET=False, SPLITS=splits,
-                  K_PER_SPLIT=1024 // splits, RELEASE=splits > 1 or raw, RAW_X=raw)
+                  K_PER_SPLIT=1024 // splits, RELEASE=splits > 1)
     aligned = [n for n in fn.arg_names if n.endswith("_ptr")]
     ptx = build_sm90(fn, types, consts, aligned, num_warps=4, num_stages=3).asm["ptx"]
     print("qkv splits", splits, "atomics" if "atom" in ptx else "none",
-          "release" if "griddepcontrol.launch_dependents" in ptx else "-", "raw" if raw else "normed")
+          "release" if "griddepcontrol.launch_dependents" in ptx else "-")
 """
 
 
 def test_split_k_qkv_kernel_compiles_for_sm90():
-    """Split and unsplit q/k/v kernels build for Hopper without a GPU (only the split one has atomics), with
-    RELEASE the PDL trigger is in the code, and the folded norm's raw-rows form (RAW_X) builds too."""
+    """Split and unsplit q/k/v kernels build for Hopper without a GPU (only the split one has atomics), and
+    with RELEASE the PDL trigger is in the code."""
     from helpers import compile_for_sm90
 
     lines = compile_for_sm90(_SPLIT_QKV_FOR_SM90).splitlines()
-    assert "qkv splits 1 none - normed" in lines and "qkv splits 4 atomics release normed" in lines, lines
-    assert "qkv splits 1 none release raw" in lines, lines  # the folded norm's kernel (RAW_X)
+    assert "qkv splits 1 none -" in lines and "qkv splits 4 atomics release" in lines, lines
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -374,7 +345,6 @@ def test_gpu_w1_shapes_match_unfused(m):
     c = _qkv_case(m, 16, 8, 128, 1024, torch.bfloat16, bias=False, qk_norm=True, device="cuda",
                   seed=m, pad_rows=(1, 40))
     compare_qkv(c)
-    compare_folded_qkv(c)
     x, nw, w = (t.cuda() for t in _gate_up_case(m, 1024, 3072, torch.bfloat16, seed=m))
     want = silu_mul_triton(F.linear(rms_norm(x, nw, EPS), w))
     assert_close_ulps(norm_gate_up_silu(x, nw, EPS, w), want, torch.bfloat16)

@@ -106,10 +106,6 @@ PDL_ON_CPU = False
 FOLD_NORMS = env_switch("BRIDGE_FOLD_NORMS")
 # The fold is made for CUDA weights only, unless a test turns this on.
 FOLD_ON_CPU = False
-# With the input norm folded, the one-kernel norm + q/k/v runs its GEMM on the raw rows and takes the row's
-# RMS scale from the same K loop (`norm_qkv_rope_write(norm_folded=True)`) instead of a statistics pass in
-# front of the weight stream. BRIDGE_FOLDED_NORM_GEMM=0 (read at import) keeps the pass (A/B runs).
-FOLDED_NORM_GEMM = env_switch("BRIDGE_FOLDED_NORM_GEMM")
 
 
 def _pdl_here(device: torch.device) -> bool:
@@ -340,7 +336,6 @@ def _fused_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, *a
             x, norm.weight, norm.variance_epsilon, attn.bridge_qkv_weight, attn.bridge_qkv_bias, n_q, n_kv,
             cos[0], sin[0], key_cache, value_cache, meta.slot_mapping, qk_norm,
             counters=getattr(attn, "bridge_qkv_counters", None),
-            norm_folded=FOLDED_NORM_GEMM and getattr(layer, "bridge_input_norm_folded", False),
         )
     elif getattr(layer, "bridge_input_norm_folded", False):  # the norm's weight is in the q/k/v weight
         q = qkv_norm_rope_write(

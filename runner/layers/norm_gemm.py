@@ -236,29 +236,6 @@ def _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, w1_ptrs, w2_ptrs, n_ok, K, k
 
 
 @triton.jit
-def _raw_gemm_pair_sumsq(x_rows, row_ok, w1_ptrs, w2_ptrs, n_ok, K, BLOCK_M: tl.constexpr, N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                         SWAP_AB: tl.constexpr, INTERPRET: tl.constexpr):
-    """x @ W1.T and x @ W2.T on the unnormalised rows (their RMSNorm's weight folded into W), as
-    (BLOCK_M, N) fp32, and each row's sum of squares from the same x tiles, (BLOCK_M, 1): the row's RMS
-    scale comes out of the K loop instead of a statistics pass in front of it."""
-    acc1 = _zeros_acc(BLOCK_M, N, SWAP_AB)
-    acc2 = _zeros_acc(BLOCK_M, N, SWAP_AB)
-    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    ks = tl.arange(0, BLOCK_K)[None, :]
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_rows + k0 + ks, mask=row_ok, other=0.0)
-        else:
-            a = tl.load(x_rows + k0 + ks, mask=row_ok & (k0 + ks < K), other=0.0)
-        a32 = a.to(tl.float32)
-        sq += tl.sum(a32 * a32, 1)
-        acc1 = _dot(a, _load_w(w1_ptrs, n_ok, k0, K, BLOCK_K, EVEN_K, EVEN_N), acc1, SWAP_AB, INTERPRET)
-        acc2 = _dot(a, _load_w(w2_ptrs, n_ok, k0, K, BLOCK_K, EVEN_K, EVEN_N), acc2, SWAP_AB, INTERPRET)
-    return _as_rows(acc1, SWAP_AB), _as_rows(acc2, SWAP_AB), sq[:, None]
-
-
-@triton.jit
 def _round_like_gemm(acc, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """The GEMM's fp32 result rounded to the activation dtype (to nearest even, as cuBLAS and torch
     round F.linear's output), back in fp32. On the GPU that is a plain cast. The interpreter's
@@ -287,12 +264,10 @@ def _norm_qkv_rope_write_kernel(
     HALF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, STATS_K: tl.constexpr,
     STATS_CHUNKS: tl.constexpr, EVEN_STATS: tl.constexpr, INTERPRET: tl.constexpr,
-    SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, RELEASE: tl.constexpr, RAW_X: tl.constexpr,
+    SPLITS: tl.constexpr, K_PER_SPLIT: tl.constexpr, RELEASE: tl.constexpr,
 ):
     # One program: one head's 2 * HALF output columns (q, k or v) for BLOCK_M rows, as two halves so the
     # rotary pairs column d with d + HALF elementwise; with SPLITS > 1, over one split of the K range.
-    # RAW_X (SPLITS == 1 only): the norm's weight is folded into w, the GEMM runs on the raw rows and the
-    # row's RMS scale, summed in the K loop, multiplies the result.
     release_dependents(RELEASE)  # a PDL attention launch after it may start (runner.layers.pdl)
     head = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -306,24 +281,17 @@ def _norm_qkv_rope_write_kernel(
     s2 = tl.load(sin_ptr + rows64 * stride_s + HALF + dd, mask=row_ok, other=0.0)
     slot = tl.load(slot_ptr + rows64, mask=row_ok, other=-1).to(tl.int64)
     x_rows = x_ptr + rows64 * stride_xm
+    rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, STATS_K, STATS_CHUNKS, EVEN_STATS)
 
     d = tl.arange(0, HALF)
     ks = tl.arange(0, BLOCK_K)[None, :]
     n1 = head * (2 * HALF) + d[:, None]
     w1_ptrs = w_ptr + n1.to(tl.int64) * stride_wn + ks
     w2_ptrs = w1_ptrs + HALF * stride_wn
-    if RAW_X:
-        acc1, acc2, sq = _raw_gemm_pair_sumsq(x_rows, row_ok, w1_ptrs, w2_ptrs, None, K, BLOCK_M, HALF,
-                                              BLOCK_K, EVEN_K, True, SWAP_AB, INTERPRET)
-        rstd = tl.rsqrt(sq / K + eps)
-        acc1 = acc1 * rstd
-        acc2 = acc2 * rstd
-    else:
-        rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, STATS_K, STATS_CHUNKS, EVEN_STATS)
-        k_lo = tl.program_id(2) * K_PER_SPLIT
-        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-        acc1, acc2 = _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, w1_ptrs, w2_ptrs, None, K, k_lo, k_hi,
-                                       BLOCK_M, HALF, BLOCK_K, EVEN_K, True, SWAP_AB, INTERPRET)
+    k_lo = tl.program_id(2) * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    acc1, acc2 = _normed_gemm_pair(x_rows, nw_ptr, rstd, row_ok, w1_ptrs, w2_ptrs, None, K, k_lo, k_hi,
+                                   BLOCK_M, HALF, BLOCK_K, EVEN_K, True, SWAP_AB, INTERPRET)
     if SPLITS == 1:
         _qkv_epilogue(acc1, acc2, head, rows64, row_ok, c1, c2, s1, s2, slot, b_ptr, q_norm_ptr, k_norm_ptr,
                       q_out_ptr, k_cache_ptr, v_cache_ptr, stride_qm, stride_qh, stride_kb, stride_ks,
@@ -515,14 +483,9 @@ def norm_qkv_rope_write(
     *,
     config: NormGemmConfig | None = None,
     counters: torch.Tensor | None = None,
-    norm_folded: bool = False,
 ) -> torch.Tensor:
     """`qkv_norm_rope_write(F.linear(rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias), ...)` in one
     launch; returns q (M, num_q_heads, head_dim) and writes k / v to the paged caches.
-
-    `norm_folded`: the norm's weight is folded into `qkv_weight` (`norm_weight` is then ones): the GEMM
-    runs on the raw rows and their RMS scale, summed in the same K loop, multiplies the sums, so no
-    statistics pass holds the weight stream back (unsplit launches only; a split keeps the pass).
 
     `x` (M, K); `qkv_weight` ((Hq + 2 Hkv) D, K), q rows then k then v; `cos` / `sin` (M, D); caches
     (num_blocks, block_size, Hkv, D); `slot_mapping` (M,) flat slots, -1 = padding row (not written);
@@ -585,11 +548,10 @@ def norm_qkv_rope_write(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         num_q_heads, num_kv_heads, key_cache.shape[1], eps, head_eps,
     )  # fmt: skip
-    raw_x = norm_folded and splits == 1
     fixed = dict(HALF=half, HAS_BIAS=qkv_bias is not None, HAS_NORM=q_norm is not None,
-                 RELEASE=use_pdl(x.device), RAW_X=raw_x)
+                 RELEASE=use_pdl(x.device))
     warm_key = ("qkv", x.device, x.dtype, k, n_heads, half, qkv_bias is not None, q_norm is not None,
-                key_cache.dtype, split_k, raw_x)
+                key_cache.dtype, split_k)
     _launch(_norm_qkv_rope_write_kernel, grid, args, fixed, cfg, k, QKV_CONFIGS, config is not None, warm_key,
             split_k=split_k)
     return q_out
