@@ -21,18 +21,26 @@ q/k/v up to `NORM_GEMM_MAX_ROWS` tokens, gate/up up to `NORM_GATE_UP_MAX_ROWS`:
          -> o_proj addmm -> [norm -> gate/up GEMM -> SiLU*mul] -> [down_proj GEMM + residual]
 
 five launches up to 32 tokens (the last one `runner.layers.down_gemm`'s split-K kernel, which replaces
-cuBLAS's split-K GEMM, reduce and copy), seven up to 64 (attention counted as one; o_proj stays cuBLAS).
+cuBLAS's split-K GEMM, reduce and copy), six up to 64 (attention counted as one; o_proj, gate/up and
+down stay cuBLAS, the post-attention norm folded into gate/up as below).
 
-How: the layer's modules, weights, loading and `state_dict` stay Hugging Face's; only the bound
-`forward` of each fusable layer instance is replaced, and the replacement takes the fused path
-only inside a Bridge forward pass (a `ForwardContext` is set) and calls the original forward
-everywhere else. It needs `runner.layers.fused_linear` to have merged q/k/v and gate/up first.
+On CUDA both norms' weights are folded into the merged weights after them at fuse time (`_fold_norm`,
+BRIDGE_FOLD_NORMS=0 to keep them): where no norm-GEMM kernel runs, gate/up and q/k/v run on the
+unnormalised rows and the kernel after each applies the row's RMS scale, one launch fewer per norm.
+
+How: the layer's modules and loading stay Hugging Face's (with the norms folded, two norm weights are
+ones and the merged projection weights hold their products); only the bound `forward` of each fusable
+layer instance is replaced, and the replacement takes the fused path only inside a Bridge forward pass
+(a `ForwardContext` is set) and calls the original forward everywhere else. It needs
+`runner.layers.fused_linear` to have merged q/k/v and gate/up first.
 
 Numerics: the norms round like Hugging Face's (fp32 statistics, round to the input dtype, times
 the weight); rotary runs in fp32 and rounds once (as `runner.layers.fused_ops`); the residual adds are
 accumulated in the GEMM, so they round once instead of twice. In fp32 that is HF's arithmetic up
 to summation order. The norm-GEMM kernels keep every rounding point of the sequences they replace
 (the GEMM output rounded to the activation dtype before its epilogue); only summation orders differ.
+The norm fold rounds each weight-times-norm-weight product to the weight's dtype once, at load time, and
+scales the GEMM's output instead of its input: the logits move within that dtype's rounding.
 """
 
 from __future__ import annotations
