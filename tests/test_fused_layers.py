@@ -121,6 +121,10 @@ def test_qkv_norm_rope_write_row_scale_is_the_projection_of_the_normalised_row(w
     with pytest.raises(ValueError, match="row_scale"):
         fused_layers.qkv_norm_rope_write(qkv, hq, hkv, cos, sin, caches[0], caches[1], slots, qk_norm,
                                          row_scale=(x[:2], 1e-6))
+    wide = torch.zeros(t, fused_linear.ROWNORM_MAX_HIDDEN + 1)  # wider than a program holds
+    with pytest.raises(ValueError, match="row_scale"):
+        fused_layers.qkv_norm_rope_write(qkv, hq, hkv, cos, sin, caches[0], caches[1], slots, qk_norm,
+                                         row_scale=(wide, 1e-6))
 
 
 def test_qkv_norm_rope_write_rejects_bad_shapes():
@@ -220,6 +224,12 @@ def test_norms_stay_unfolded_off_cuda_and_with_the_switch_off(model_dirs, fused_
     assert not any(hasattr(layer, a) for layer in model.model.layers for a in folded)
     monkeypatch.setattr(fused_layers, "FOLD_ON_CPU", True)
     monkeypatch.setattr(fused_layers, "FOLD_NORMS", False)
+    model = load_hf_fp32(model_dirs["qwen3"])
+    fused_linear.fuse_linears(model)
+    fused_layers.fuse_decoder_layers(model)
+    assert not any(hasattr(layer, a) for layer in model.model.layers for a in folded)
+    monkeypatch.setattr(fused_layers, "FOLD_NORMS", True)
+    monkeypatch.setattr(fused_layers, "ROWNORM_MAX_HIDDEN", model.config.hidden_size - 1)  # rows too wide
     model = load_hf_fp32(model_dirs["qwen3"])
     fused_linear.fuse_linears(model)
     fused_layers.fuse_decoder_layers(model)

@@ -56,7 +56,7 @@ from runner.config import env_int, env_switch
 from runner.layers import pdl
 from runner.layers.attention_metadata import current_forward_context
 from runner.layers.down_gemm import down_residual_supported, new_counters, residual_gemm
-from runner.layers.fused_linear import silu_mul, silu_mul_rownorm
+from runner.layers.fused_linear import ROWNORM_MAX_HIDDEN, row_rms_scale, silu_mul, silu_mul_rownorm
 from runner.layers.fused_ops import FUSABLE_RMSNORM_CLASSES, rms_norm
 from runner.layers.hf_attention import get_attention_backend
 from runner.layers.norm_gemm import (
@@ -139,11 +139,8 @@ def _qkv_norm_rope_write_kernel(
     scale = 1.0
     if ROW_SCALE:
         # The projection ran on the unnormalised row, its RMSNorm's weight folded into the q/k/v weight
-        # (`_fold_input_norm`): the row's RMS scale, as HF's RMSNorm computes it, makes it the projection
-        # of the normalised row.
-        h = tl.arange(0, BLOCK_H)
-        xv = tl.load(x_ptr + t * stride_x + h, mask=h < n_hidden, other=0.0).to(tl.float32)
-        scale = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / n_hidden + row_eps)
+        # (`_fold_norm`): the row's RMS scale makes it the projection of the normalised row.
+        scale = row_rms_scale(x_ptr + t * stride_x, n_hidden, row_eps, BLOCK_H)
     d = tl.arange(0, HALF)[None, :]
     c1 = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
     c2 = tl.load(cos_ptr + t * stride_c + HALF + d).to(tl.float32)
@@ -225,8 +222,10 @@ def qkv_norm_rope_write(
         return q_out
     qw, kw, eps = q_norm if q_norm is not None else (qkv, qkv, 0.0)  # unused pointers without a norm
     x, row_eps = row_scale if row_scale is not None else (qkv, 0.0)  # unused without a row scale
-    if row_scale is not None and (x.dim() != 2 or x.shape[0] != t or x.stride(1) != 1):
-        raise ValueError(f"row_scale's rows must be ({t}, H) with unit last stride, got {tuple(x.shape)}")
+    if row_scale is not None and (x.dim() != 2 or x.shape[0] != t or x.stride(1) != 1
+                                  or x.shape[1] > ROWNORM_MAX_HIDDEN):
+        raise ValueError(f"row_scale's rows must be ({t}, H <= {ROWNORM_MAX_HIDDEN}) with unit last stride, "
+                         f"got {tuple(x.shape)}")
     launch(_qkv_norm_rope_write_kernel, (t,))(
         qkv, q_out, cos, sin, qw, kw, slot_mapping, key_cache, value_cache,
         qkv.stride(0), q_out.stride(0), cos.stride(0), sin.stride(0),
@@ -397,7 +396,8 @@ def _fold_norm(norm: torch.nn.Module, w: torch.Tensor) -> bool:
     dtype once here, so logits move within that dtype's rounding: a switch (BRIDGE_FOLD_NORMS=0), not an
     identity.
     """
-    if not FOLD_NORMS or not (w.is_cuda or FOLD_ON_CPU) or tuple(norm.weight.shape) != (w.shape[1],):
+    if (not FOLD_NORMS or not (w.is_cuda or FOLD_ON_CPU) or tuple(norm.weight.shape) != (w.shape[1],)
+            or w.shape[1] > ROWNORM_MAX_HIDDEN):  # the kernels that apply the row scale hold a whole row
         return False
     w.copy_((w.float() * norm.weight.float()).to(w.dtype))
     norm.weight.fill_(1.0)

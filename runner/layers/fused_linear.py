@@ -92,18 +92,26 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------- SiLU*mul with the row's RMS scale
 
-# Each program holds its whole row of x (fp32) to take its RMS: wider rows take the torch path.
+# A kernel that applies a folded norm's row scale holds its whole row of x (fp32) to take the RMS: rows
+# wider than this are not folded (`fused_layers._fold_norm`) and take the torch path here.
 ROWNORM_MAX_HIDDEN = 16384
+
+
+@triton.jit
+def row_rms_scale(row_ptr, n_hidden, eps, BLOCK_H: tl.constexpr):
+    """`rsqrt(mean(x**2) + eps)` of one row of `n_hidden` elements (BLOCK_H >= n_hidden), fp32, as HF's
+    RMSNorm computes it: the scale the GEMM after a folded norm's weight still owes its output."""
+    h = tl.arange(0, BLOCK_H)
+    xv = tl.load(row_ptr + h, mask=h < n_hidden, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(xv * xv, 0) / n_hidden + eps)
+
 
 @triton.jit
 def _silu_mul_rownorm_kernel(gu_ptr, x_ptr, out_ptr, n_inter, n_hidden, stride_gu, stride_x, stride_o, eps,
                              BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, RELEASE: tl.constexpr):
     release_dependents(RELEASE)  # a PDL down projection after it may start loading its weights
     row = tl.program_id(0).to(tl.int64)
-    # The row's RMS scale, as HF's RMSNorm computes it: fp32 mean of squares, rsqrt(mean + eps).
-    h = tl.arange(0, BLOCK_H)
-    xv = tl.load(x_ptr + row * stride_x + h, mask=h < n_hidden, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(xv * xv, 0) / n_hidden + eps)
+    r = row_rms_scale(x_ptr + row * stride_x, n_hidden, eps, BLOCK_H)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32) * r
