@@ -278,6 +278,21 @@ def test_prefill_config_from_the_environment_overrides_the_16_bit_default(monkey
             pat.prefill_config_from_env(bad)
 
 
+def test_default_prefill_config_by_head_dim_rows_and_fresh_prompts(monkeypatch):
+    import runner.layers.paged_attention_triton as pat
+
+    monkeypatch.setattr(pat, "_ENV_PREFILL_CONFIG", None)
+    bf16, f16 = torch.bfloat16, torch.float16
+    assert pat._default_prefill_config(128, bf16, 512, 2) == pat.PREFILL_TILES_128  # a prefix may be cached
+    assert pat._default_prefill_config(128, f16, 512, 2, True) == pat.PREFILL_FRESH_64  # nothing cached
+    assert pat._default_prefill_config(128, bf16, 64, 4, True) == pat.PREFILL_TILES_128  # groups > 2
+    assert pat._default_prefill_config(128, bf16, 16, 2, True) == PrefillConfig(32, 64, 4, 3)  # short rows
+    assert pat._default_prefill_config(64, bf16, 512, 2, True) == PrefillConfig(128, 64, 4, 3)
+    assert pat._default_prefill_config(96, bf16, 512, 2, True) == PrefillConfig(128, 64, 8, 3)  # padded
+    monkeypatch.setattr(pat, "PREFILL_TILES", False)
+    assert pat._default_prefill_config(128, bf16, 512, 2, True) == PrefillConfig(128, 64, 8, 3)
+
+
 def test_split_count_is_not_compiled_into_the_decode_kernels():
     """The count is a runtime argument: a server's eager steps meet every batch size, and each new
     constexpr value was a kernel build of seconds mid-traffic. Only split-or-not is compiled in."""
@@ -455,6 +470,23 @@ def test_gpu_kernels_match_torch_path(dtype, head_dim, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["prefill_from_scratch", "mixed"])
+def test_gpu_fresh_prefill_launch_matches_torch_path(dtype, case):
+    """Steps whose prefill rows all start at position 0 (`fresh_prefill`, set by the runner) take the
+    64-row launch at head_dim 128; decode rows in the step go to the decode kernel as before."""
+    specs = [(0, q * 13 if q > 1 else 1) if q > 1 else (ctx * 9, 1) for ctx, q in CASES[case]]
+    batch = _to_cuda(make_batch(specs, num_q_heads=16, num_kv_heads=8, head_dim=128), dtype)
+    batch.meta.fresh_prefill = True
+    got = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale,
+                          out=torch.full_like(batch.query, float("nan")))  # fmt: skip
+    ref = paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.meta, batch.scale, backend="torch"
+    )
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_small_tile_decode_on_a_one_wave_grid_matches_torch_path():
     """64 requests x 8 KV heads: on a GPU with 128-170 SMs the default launch is the small-tile one
     (32-key tiles, block ids a tile ahead, 4 programs per SM); it must agree with the torch path, in a
@@ -557,8 +589,11 @@ for split, release, ahead in ((False, False, False), (True, False, False), (Fals
 for release in (False, True):
     build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, SPLITS_PAD=16, HEAD_DIM=128, RELEASE=release),
           COMMON, num_warps=2)
-build(pat._prefill_kernel, bf16, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=128, BLOCK_Q=64, G_PAD=2,
-      TILE_N=64, SEARCH_BLOCK=pat.PREFILL_SEARCH_BLOCK, IS_FP32=False), COMMON, num_warps=8, num_stages=3)
+# the earlier 128-row launch (BRIDGE_PREFILL_TILES=0) and the two 16-bit head_dim-128 defaults
+for cfg in (pat.PrefillConfig(128, 64, 8, 3), pat.PREFILL_TILES_128, pat.PREFILL_FRESH_64):
+    build(pat._prefill_kernel, bf16, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=cfg.block_m,
+          BLOCK_Q=cfg.block_m // 2, G_PAD=2, TILE_N=cfg.tile_n, SEARCH_BLOCK=pat.PREFILL_SEARCH_BLOCK,
+          IS_FP32=False), COMMON, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 build(pat._write_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16",
       value_cache_ptr="*bf16", slot_ptr="*i64"), dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1,
       BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), [], num_warps=4)
@@ -567,4 +602,4 @@ build(pat._write_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_p
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     stdout = compile_for_sm90(_COMPILE_FOR_SM90)
-    assert stdout.count(" ok") == 8, stdout
+    assert stdout.count(" ok") == 10, stdout

@@ -31,6 +31,9 @@ class AttentionMetadata:
     - `block_tables` (num_reqs, max_blocks_per_req) int32: physical KV block ids per request.
     - `max_query_len`, `max_seq_len`: host-side bounds used to size kernel grids.
     - `is_decode_only`: every request has exactly one query token (decode kernel path).
+    - `fresh_prefill`: every request with more than one query row starts at position 0 (nothing cached
+      before its rows: fresh prompts, or first chunks); set from host data by eager steps, False in
+      graph bodies. The prefill kernel picks its launch by it (see `paged_attention_triton`).
     """
 
     slot_mapping: torch.Tensor
@@ -41,6 +44,7 @@ class AttentionMetadata:
     max_seq_len: int
     num_reqs: int
     is_decode_only: bool = False
+    fresh_prefill: bool = False
     # Host copies for the CPU (torch) path, which loops over requests on the host.
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)

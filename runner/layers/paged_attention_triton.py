@@ -722,8 +722,20 @@ def prefill_config_from_env(raw: str | None) -> PrefillConfig | None:
 _ENV_PREFILL_CONFIG = prefill_config_from_env(os.environ.get("BRIDGE_PREFILL_CONFIG"))
 
 
+#: 16-bit head_dim-128 launches for steps whose query blocks fill 128 rows (measured on an H200,
+#: `benchmarks/prefill_sources.py --paged-configs`, s17b): 32-key tiles on 4 warps beat the 64-key tile
+#: on 8 warps on every shape (1.09-1.18x: fresh prompts of 128-2048 rows and chunks over cached
+#: prefixes of 1024-3072); with nothing cached before any query (`fresh_prefill`) and a group of at most
+#: 2, 64-row programs on 2 stages gain more (1.28x on W1's 32 x 512, 1.20x on 64 x 128, 1.09x on 8 x
+#: 2048) but lose over long prefixes (0.85-0.89x), where each program re-reads the whole prefix.
+PREFILL_TILES_128 = PrefillConfig(block_m=128, tile_n=32, num_warps=4, num_stages=3)
+PREFILL_FRESH_64 = PrefillConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
+#: BRIDGE_PREFILL_TILES=0 keeps the earlier 128-row launch (64-key tiles, 8 warps) everywhere (A/B runs)
+PREFILL_TILES = env_switch("BRIDGE_PREFILL_TILES")
+
+
 def _default_prefill_config(
-    head_dim: int, dtype: torch.dtype, max_query_len: int, group_pad: int
+    head_dim: int, dtype: torch.dtype, max_query_len: int, group_pad: int, fresh: bool = False
 ) -> PrefillConfig:
     if _ENV_PREFILL_CONFIG is not None and dtype != torch.float32:
         return _ENV_PREFILL_CONFIG
@@ -734,6 +746,8 @@ def _default_prefill_config(
         return PrefillConfig(block_m=min(block_m, 64), tile_n=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return PrefillConfig(block_m=block_m, tile_n=64, num_warps=4, num_stages=3)
+    if PREFILL_TILES and head_dim == 128 and block_m == 128:
+        return PREFILL_FRESH_64 if fresh and group_pad <= 2 else PREFILL_TILES_128
     return PrefillConfig(block_m=block_m, tile_n=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
 
 
@@ -881,7 +895,8 @@ def paged_attention_triton(
 
     if launch_prefill:
         group_pad = triton.next_power_of_2(group)
-        cfg = prefill_config or _default_prefill_config(head_dim, query.dtype, meta.max_query_len, group_pad)
+        cfg = prefill_config or _default_prefill_config(head_dim, query.dtype, meta.max_query_len, group_pad,
+                                                        meta.fresh_prefill)
         block_m = triton.next_power_of_2(max(cfg.block_m, 16, group_pad))
         block_q = block_m // group_pad
         num_q_blocks = query.shape[0] // block_q + num_reqs

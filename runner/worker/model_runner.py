@@ -443,6 +443,7 @@ class ModelRunner:
                 v.slot_mapping, v.query_start_loc, v.seq_lens, v.block_tables,
                 max_query_len=int(sd.nsched.max()), max_seq_len=int(sd.seq_lens.max()), num_reqs=r,
                 is_decode_only=sd.single_token,
+                fresh_prefill=bool(((sd.seq_lens == sd.nsched) | (sd.nsched <= 1)).all()),
                 query_start_loc_cpu=[0, *sd.cu.tolist()], seq_lens_cpu=sd.seq_lens.tolist(),
             )
             logits = self._forward(embeds, positions, meta, v.logits_indices)
