@@ -26,9 +26,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
-from runner.config import EngineConfig
+from runner.config import EngineConfig, env_switch
 from runner.engine.core import EngineCore
+from runner.engine.embeds_staging import DeferredEmbeds
 from runner.engine.prompts import PromptProcessor, PromptType
+from runner.engine.request import Request
 from runner.engine.warmup import warm_up
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
@@ -42,6 +44,10 @@ from runner.worker.model_files import check_model_files
 from runner.worker.model_states import load_hf_config, resolve_model_state_cls
 
 logger = logging.getLogger(__name__)
+
+
+#: check the prompt embeds past the first step's prompts once that step is launched (see `LLM.generate`)
+DEFER_EMBEDS_CHECK = env_switch("BRIDGE_DEFER_EMBEDS_CHECK")
 
 
 def load_tokenizer(model_dir: str):
@@ -281,10 +287,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in input order. Every prompt is validated first: a
-        `ValueError` naming the first bad one, and nothing of the call is scheduled. A prompt that
-        fails while running (its item's encoder raises or returns NaN/Inf) fails alone: the call
-        ends with a `GenerationError` that names it and holds the other prompts' outputs."""
+        """One `RequestOutput` per prompt, in input order. Every prompt is validated before anything
+        is returned: a `ValueError` naming the first bad one, and nothing of the call is left in the
+        engine. Everything but the NaN/Inf check of prompt embeds is done before anything is
+        scheduled; that check, for the prompts past those the first step takes, runs once that step
+        is launched (their host copy overlaps its GPU time), and a bad one drops the whole call. A
+        prompt that fails while running (its item's encoder raises or returns NaN/Inf) fails alone:
+        the call ends with a `GenerationError` that names it and holds the other prompts' outputs."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -299,7 +308,14 @@ class LLM:
         with self._lock:
             self._check_alive()
             ids = [str(next(self._request_counter)) for _ in prompts]
-            requests = self.processor.process(prompts, params_list, ids)
+            # The prompt embeds past what the first step takes are checked (and uploaded) once that
+            # step is launched, so their host memcpy overlaps its GPU time (see `process_leading`).
+            # BRIDGE_DEFER_EMBEDS_CHECK=0 checks every prompt first (A/B runs).
+            defer = DEFER_EMBEDS_CHECK
+            requests, later = self.processor.process_leading(
+                prompts, params_list, ids,
+                leading_rows=self.engine_config.max_num_batched_tokens if defer else len(prompts) << 40,
+                leading_prompts=self.engine_config.max_num_seqs if defer else len(prompts))
             if not requests:
                 return []
             bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm,
@@ -315,6 +331,9 @@ class LLM:
                         elif delta.finished and delta.request_id in pending:
                             pending.discard(delta.request_id)
                             bar.update(1)
+                    if later is not None:
+                        later, deferred = None, later
+                        self._run_deferred_check(deferred, requests)
             finally:
                 for req in requests:  # an error or interrupt mid-run must not leak blocks or slots
                     if not req.is_finished:
@@ -325,6 +344,21 @@ class LLM:
             if errors:
                 raise GenerationError(errors, [None if i in errors else o for i, o in enumerate(outputs)])
             return outputs
+
+    def _run_deferred_check(self, deferred: DeferredEmbeds, requests: list[Request]) -> None:
+        """Check the call's later prompt embeds; a bad one drops the call: its requests are aborted and
+        the step in flight is finished (its outputs for them discarded) before the ValueError goes up,
+        so the engine holds no trace of the call."""
+        try:
+            deferred.run()
+        except ValueError:
+            for req in requests:
+                if not req.is_finished:
+                    self.core.abort(req.request_id)
+            for delta in self.core.settle():  # a live (streaming) request's progress is kept
+                if delta.request_id in self._live_requests:
+                    self._advanced_live.add(delta.request_id)
+            raise
 
     # ----------------------------------------------------------------------------- streaming
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> str:

@@ -154,7 +154,7 @@ class _Parsed:
 def test_gpu_upload_rows_packs_a_call_through_the_ring_and_checks_each_source():
     """A call's host prompts as one upload: sources cross ring chunks and chunk edges, an empty one in
     between; each verdict is its own source's; the views equal one-by-one uploads."""
-    from runner.engine.prompts import stage_embeds
+    from runner.engine.embeds_staging import stage_embeds
 
     up = HostUploader(torch.device("cuda"), ring_bytes=1 << 16, keep_bytes=1 << 22)
     g = torch.Generator().manual_seed(2)
@@ -214,8 +214,8 @@ def test_gpu_a_call_beyond_the_keep_budget_is_staged_in_batches(monkeypatch):
     """A call larger than the keep budget: its leading prompts that fit go up as one kept tensor, the
     rest are checked on the device in chunks and stay host tensors (uploaded again when admitted); a
     NaN in a checked-only chunk names its own prompt; the check chunks' memory is not held."""
-    from runner.engine import prompts as prompts_mod
-    from runner.engine.prompts import stage_embeds
+    from runner.engine import embeds_staging as prompts_mod
+    from runner.engine.embeds_staging import stage_embeds
 
     g = torch.Generator().manual_seed(3)
     up = HostUploader(torch.device("cuda"), ring_bytes=1 << 16, keep_bytes=40 * 64 * 2)
@@ -244,7 +244,7 @@ def test_gpu_device_embeds_are_staged_as_one_call():
     """Prompts already on the device go up like host ones: one concatenation and one check for the call
     (not one upload per prompt), read after the work that produced them on the caller's stream; a bad
     prompt is named; a call mixing host and device tensors keeps the per-prompt path."""
-    from runner.engine.prompts import stage_embeds
+    from runner.engine.embeds_staging import stage_embeds
 
     up = HostUploader(torch.device("cuda"), keep_bytes=1 << 22)
     calls = []

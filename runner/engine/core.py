@@ -128,6 +128,19 @@ class EngineCore:
             advanced = self._fail_requests_with(failure)
         return [d for d in map(self._delta, advanced) if d is not None]
 
+    def settle(self) -> list[RequestDelta]:
+        """Finish the step or decode window on the device without launching another; its deltas (none
+        for requests aborted meanwhile, whose outputs are discarded). For a caller that dropped its
+        requests mid-run and must leave no work in flight."""
+        advanced: list[Request] = []
+        if self.in_flight is not None:
+            advanced += self._drain()
+        if self.window is not None:  # at most one window is in flight between steps
+            window, self.window = self.window, None
+            self.scheduler.update_window(window.so, self.runner.finish_decode_window(window), window.k)
+            advanced += window.so.requests
+        return [d for d in map(self._delta, advanced) if d is not None]
+
     def _fail_requests_with(self, failure: EncoderFailure) -> list[Request]:
         failed = []
         for request in list(self.scheduler.requests.values()):

@@ -17,6 +17,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from runner.engine.embeds_staging import (
+    DeferredEmbeds,
+    check_embeds_finite,
+    num_leading_prompts,
+    refuse_not_finite,
+    stage_calls_as_one,
+    stage_embeds,
+)
 from runner.engine.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, Request
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY
 from runner.multimodal.placeholders import (
@@ -25,7 +33,6 @@ from runner.multimodal.placeholders import (
     check_dense_tensor,
     expand_mm_prompt,
     placeholder_token,
-    tensors_fit_dtype,
 )
 from runner.multimodal.prompt_text import split_at_placeholders
 from runner.multimodal.state import MultimodalState
@@ -48,119 +55,6 @@ class ParsedPrompt:
     embeds: torch.Tensor | None = None
     is_token_ids: torch.Tensor | None = None
     mm: ExpandedPrompt | None = None
-
-
-def _refuse_not_finite(bad: list[int], dtype: torch.dtype | None) -> None:
-    if bad:
-        raise ValueError(f"prompt {min(bad)}: prompt_embeds contains NaN or Inf (or values beyond the range "
-                         f"of the model dtype {dtype})")
-
-
-def check_embeds_finite(parsed: Sequence[ParsedPrompt], dtype: torch.dtype | None = None) -> None:
-    """NaN/Inf in any prompt's embeds, or a value that the cast to the model `dtype` turns into
-    Inf, is a ValueError naming the first such prompt.
-
-    One host sync per device for the whole call instead of one per prompt (64 prompts on a GPU
-    paid 64 round trips before anything was scheduled).
-    """
-    where = [i for i, p in enumerate(parsed) if p.embeds is not None]
-    fits = tensors_fit_dtype([parsed[i].embeds for i in where], dtype)
-    _refuse_not_finite([i for i, ok in zip(where, fits) if not ok], dtype)
-
-
-def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader, *,
-                 keep: bool) -> None:
-    """Upload every prompt's embeds through `uploader` (pinned ring, copy stream) and check them there:
-    NaN/Inf, or a value the cast to `dtype` turns into Inf, is a ValueError naming the first such prompt.
-
-    The check costs the host one `memcpy` per prompt and one wait on the copy stream per call, where a
-    check on the CPU cost several passes over the rows. With `keep`, a prompt's device copy replaces
-    its host tensor while the uploader's keep budget allows, so admission uploads nothing; the others
-    are uploaded again (asynchronously) when admitted.
-    """
-    if keep and _stage_as_one(parsed, dtype, uploader):
-        return
-    flags, where = [], []
-    for i, p in enumerate(parsed):
-        if p.embeds is None:
-            continue
-        rows, ok = uploader.upload(p.embeds, dtype, check_fits=True)
-        flags.append(ok)
-        where.append(i)
-        if keep and uploader.keep(rows):
-            p.embeds = rows
-    bad = [i for i, ok in zip(where, uploader.read_flags(flags)) if not ok]
-    _refuse_not_finite(bad, dtype)
-
-
-def _stage_as_one(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader) -> bool:
-    """`stage_embeds` for a call whose embeds are all host tensors (or all tensors on the uploader's
-    device) of one dtype and width: batched uploads (see `_stage_calls_as_one`); False (nothing done)
-    otherwise."""
-    bad = _stage_calls_as_one([parsed], dtype, uploader)
-    if bad is None:
-        return False
-    _refuse_not_finite(bad[0], dtype)
-    return True
-
-
-#: prompts beyond the keep budget are checked on the device in uploads of at most this many bytes
-CHECK_CHUNK_BYTES = 64 << 20
-
-
-def _stage_calls_as_one(calls: Sequence[Sequence[ParsedPrompt]], dtype: torch.dtype,
-                        uploader: HostUploader) -> list[list[int]] | None:
-    """The embeds of several calls in batched uploads when they can go together (tensors of one dtype
-    and width, at least two, all on the host or all on the uploader's device): per call the indices of
-    its prompts that fail the NaN/Inf check. None (nothing done) when they cannot.
-
-    The leading prompts that fit the uploader's keep budget go up as one tensor that stays on the
-    device (their admission uploads nothing); the rest are checked in `CHECK_CHUNK_BYTES` uploads and
-    stay on the host until admitted. Why: a call beyond the budget (W2's 256 prompts, 295 MB) went
-    prompt by prompt, each with its own allocation, copy, events and check kernels, and its `memcpy`
-    on one thread: about 3% of W2's time against the same prompts already on the device. Device
-    prompts went prompt by prompt too: ~10 ms of host time for W1's 64 before the first step.
-    """
-    where = [(c, i) for c, parsed in enumerate(calls) for i, p in enumerate(parsed) if p.embeds is not None]
-    if len(where) < 2:
-        return None
-    srcs = [calls[c][i].embeds for c, i in where]
-    first = srcs[0]
-    # All on the host, or all already on the uploader's device (an in-process encoder's output).
-    device = uploader.device if first.device == uploader.device else torch.device("cpu")
-    if any(t.device != device or t.dtype != first.dtype or t.dim() != 2 or t.shape[1] != first.shape[1]
-           for t in srcs):
-        return None
-    row_bytes = first.shape[1] * dtype.itemsize
-    if row_bytes % 16:  # each view must start 16-byte aligned (the overlay's)
-        return None
-    sizes = [t.shape[0] * row_bytes for t in srcs]
-    kept, room = 0, uploader.keep_bytes - uploader.kept_bytes
-    while kept < len(srcs) and sizes[kept] <= room:
-        room -= sizes[kept]
-        kept += 1
-    flags, whole, views = [], None, []
-    if kept:
-        whole, views, ok = uploader.upload_rows(srcs[:kept], dtype)
-        flags.append(ok)
-    start = kept
-    while start < len(srcs):  # chunks of at most CHECK_CHUNK_BYTES, at least one prompt each
-        end, size = start + 1, sizes[start]
-        while end < len(srcs) and size + sizes[end] <= CHECK_CHUNK_BYTES:
-            size += sizes[end]
-            end += 1
-        flags.append(uploader.check_rows(srcs[start:end], dtype))
-        start = end
-    bad: list[list[int]] = [[] for _ in calls]
-    for (c, i), fits in zip(where, uploader.read_flag_tensor(flags)):
-        if not fits:
-            bad[c].append(i)
-    if whole is not None:
-        uploader.keep(whole)  # charged once; given back when the last prompt's view is freed
-    for (c, i), view in zip(where[:kept], views):
-        if not bad[c]:  # a refused call keeps its host tensors: nothing of it holds the device copy
-            calls[c][i].embeds = view
-    return bad
 
 
 class PromptProcessor:
@@ -213,10 +107,28 @@ class PromptProcessor:
         (`PassthroughBatch`); an item whose content the encoder cache already holds was checked
         when it got there and is not read again.
         """
-        result = self.process_many([(prompts, params, request_ids, stream_text)])[0]
+        result = self._process_calls([(prompts, params, request_ids, stream_text)])[0][0]
         if isinstance(result, ValueError):
             raise result
         return result
+
+    def process_leading(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
+                        request_ids: Sequence[str], *, leading_rows: int,
+                        leading_prompts: int) -> tuple[list[Request], DeferredEmbeds | None]:
+        """`process`, with the NaN/Inf check and upload of the prompt embeds past the call's leading
+        prompts left to the returned `DeferredEmbeds` (None when nothing is left).
+
+        The leading prompts are those the first step can take: the fewest whose rows reach
+        `leading_rows` (the step's token budget), at most `leading_prompts` (its request limit).
+        Everything else about every prompt (shape, vocabulary, context, params) is checked here. Why:
+        64 prompts of host embeds spent ~5 ms in `memcpy` before the first step could launch, the GPU
+        idle all along; the later prompts' half of it can run while the first step computes.
+        """
+        (result,), (deferred,) = self._process_calls([(prompts, params, request_ids, False)],
+                                                     leading=(leading_rows, leading_prompts))
+        if isinstance(result, ValueError):
+            raise result
+        return result, deferred
 
     def process_many(self, calls: Sequence[tuple[Sequence[PromptType], Sequence[SamplingParams],
                                                  Sequence[str], bool]]) -> list[list[Request] | ValueError]:
@@ -224,7 +136,16 @@ class PromptProcessor:
         (a server tick's submissions): per call its requests, or the ValueError that refused it (all or
         none within a call, as `process`). Their host prompt embeds go to the device in one upload
         with one wait for the checks, where one call per request paid an upload and a wait each."""
+        return self._process_calls(calls)[0]
+
+    def _process_calls(self, calls: Sequence[tuple[Sequence[PromptType], Sequence[SamplingParams],
+                                                   Sequence[str], bool]],
+                       leading: tuple[int, int] | None = None,
+                       ) -> tuple[list[list[Request] | ValueError], list[DeferredEmbeds | None]]:
+        """`process_many`, and with `leading` = (rows, prompts) the embeds of each call's prompts past
+        its leading ones (see `process_leading`) not checked yet: per call a `DeferredEmbeds` for them."""
         results: list[list[Request] | ValueError] = []
+        deferred: list[DeferredEmbeds | None] = [None] * len(calls)
         parsed_calls: list[list[ParsedPrompt]] = []
         for prompts, _, _, _ in calls:
             try:
@@ -238,26 +159,34 @@ class PromptProcessor:
             results.append([])
             parsed_calls.append(parsed)
         live = [c for c, r in enumerate(results) if not isinstance(r, ValueError)]
+        # How many of each call's prompts are checked now (the rest: by its DeferredEmbeds).
+        now = [len(p) if leading is None else num_leading_prompts(p, *leading) for p in parsed_calls]
+        staged_now = [parsed[:n] for parsed, n in zip(parsed_calls, now)]
         bad = None
         if self.uploader is not None and self.keep_device_embeds:
-            bad = _stage_calls_as_one(parsed_calls, self.dtype, self.uploader)
+            bad = stage_calls_as_one(staged_now, self.dtype, self.uploader)
         for k, c in enumerate(live):
             prompts, params, request_ids, stream_text = calls[c]
             parsed = parsed_calls[k]
             try:
                 if bad is not None:
-                    _refuse_not_finite(bad[k], self.dtype)
+                    refuse_not_finite(bad[k], self.dtype)
                 elif self.uploader is not None:
-                    stage_embeds(parsed, self.dtype, self.uploader, keep=self.keep_device_embeds)
+                    stage_embeds(staged_now[k], self.dtype, self.uploader, keep=self.keep_device_embeds)
                 else:
-                    check_embeds_finite(parsed, self.dtype)
+                    check_embeds_finite(staged_now[k], self.dtype)
                 for i, (pp, sp) in enumerate(zip(parsed, params)):
                     self.check_params(i, pp, sp)
                 results[c] = [self.make_request(rid, i, pp, sp, stream_text=stream_text)
                               for i, (rid, pp, sp) in enumerate(zip(request_ids, parsed, params))]
             except ValueError as exc:
                 results[c] = exc
-        return results
+                continue
+            later = parsed[now[k]:]
+            if any(p.embeds is not None for p in later):
+                deferred[c] = DeferredEmbeds(later, results[c][now[k]:], now[k], self.dtype, self.uploader,
+                                             self.keep_device_embeds)
+        return results, deferred
 
     # ----------------------------------------------------------------------------- one prompt
     @staticmethod
@@ -484,4 +413,4 @@ class PromptProcessor:
         return req
 
 
-__all__ = ["ParsedPrompt", "PromptProcessor", "PromptType", "check_embeds_finite", "stage_embeds"]
+__all__ = ["ParsedPrompt", "PromptProcessor", "PromptType"]
