@@ -268,20 +268,23 @@ def test_decode_windows_match_hf_and_single_steps(family, model_dirs, hf_referen
 
 
 def test_pipelined_decode_windows_match_synchronous_windows(model_dirs, hf_reference):
-    """A window launched behind the one in flight (planned before that one's tokens are read) gives the
-    synchronous windows' tokens, stops and finish reasons: a stop on a token of the window read drops
-    the next window's tokens, requests ended by length are left out of the next window, an abort with a
-    window in flight frees everything, and prefix caching keys only blocks of known tokens."""
+    """A window launched behind the one in flight (planned before that one's tokens are read), or behind
+    the overlapped prefill step before it, gives the synchronous windows' tokens, stops and finish
+    reasons: a stop on a token of the window (or step) read drops the next window's tokens, requests
+    ended by length are left out of the next window, an abort with a window in flight frees everything,
+    and prefix caching keys only blocks of known tokens."""
     from runner.engine.request import Request
 
     model, prompts, expected = hf_reference["qwen3"]
     llm = LLM(model_dirs["qwen3"], dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=8,
               decode_window=3, enable_prefix_caching=True)
     llm.runner.capture_cuda_graphs(emulate=True)
-    batch = [{"prompt_token_ids": p} for p in prompts[:6]]  # the six shortest: CPU time
+    batch = [{"prompt_token_ids": p} for p in prompts[:7]]  # the seven shortest: CPU time
     stop_id = expected[5][7]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 4, 12, 7, 12)]
     params.append(SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_id]))
+    # Stops on its first token, the prefill step's: the first window was launched behind that step.
+    params.append(SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[expected[6][0]]))
 
     def run() -> list[tuple]:
         return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
@@ -289,13 +292,14 @@ def test_pipelined_decode_windows_match_synchronous_windows(model_dirs, hf_refer
 
     llm.core.pipeline_windows = False
     synchronous = run()
-    assert llm.core.num_pipelined_windows == 0
+    assert llm.core.num_pipelined_windows == 0 and llm.core.num_windows_behind_steps == 0
     llm.core.pipeline_windows = True
     discarded = llm.scheduler.num_discarded_tokens
     pipelined = run()
-    assert llm.core.num_pipelined_windows > 0
+    assert llm.core.num_pipelined_windows > 0 and llm.core.num_windows_behind_steps > 0
     assert pipelined == synchronous
     assert pipelined[5][1] == "stop" and pipelined[5][0][-1] == stop_id
+    assert pipelined[6] == ([expected[6][0]], "stop", expected[6][0])
     assert [len(t) for t, _, _ in pipelined[:5]] == [2, 4, 12, 7, 12]
     assert all(t == e[: len(t)] for (t, _, _), e in zip(pipelined, expected))
     assert llm.scheduler.num_discarded_tokens > discarded  # the stopped request's next-window tokens

@@ -23,7 +23,9 @@ once; what step n+1 still writes into them is ordered before any later use on th
 A request whose pending tokens end it by length anyway is not planned again. A request sampling
 with penalties needs every output id on the host, so while its last token is pending it sits the
 overlapped step out. The core drains, then plans synchronously, when overlapping needs the
-tokens' values: a preemption, a decode window that can run, or nothing plannable.
+tokens' values: a preemption or nothing plannable. When a decode window can follow the step in
+flight, it is launched behind that step (its first input ids copied on the device from the step's
+sampled ids, as for a step), and then the step is finished.
 
 Decode windows overlap the same way (at most one window in flight besides the one being read). A
 `step()` with a window in flight plans the next window as if that one's tokens were in (they count
@@ -99,6 +101,10 @@ class EngineCore:
         self.window: LaunchedWindow | None = None
         self.pipeline_windows = env_switch("BRIDGE_PIPELINE_WINDOWS")
         self.num_pipelined_windows = 0
+        # Windows launched behind an overlapped step (the first window after prefill steps);
+        # BRIDGE_WINDOW_BEHIND_STEP=0 drains the step first (A/B runs).
+        self.windows_behind_steps = env_switch("BRIDGE_WINDOW_BEHIND_STEP")
+        self.num_windows_behind_steps = 0
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -174,8 +180,9 @@ class EngineCore:
                 return []
             scheduler.update(so, runner.execute(so))
             return so.requests
-        if self._decode_window_size() > 1:
-            return self._drain()
+        k = self._decode_window_size()
+        if k > 1:
+            return self._window_behind_step(k)
         so = scheduler.schedule(allow_preemption=False)
         if so is not None:
             so = scheduler.without(so, _needs_host_tokens)
@@ -221,8 +228,24 @@ class EngineCore:
         self.window = self._launch_window(so, k)
         return self._next_window()
 
+    def _window_behind_step(self, k: int) -> list[Request]:
+        """A decode window can follow the step in flight: launch it behind that step (its first inputs are
+        the step's sampled ids, copied on the device), then finish the step, so the GPU goes from the step
+        straight into the window instead of idling while the host reads the step and plans the window
+        (about 1 ms after W1's last prefill step). Drains first when windows are not pipelined or the
+        window cannot be planned now (KV pool short)."""
+        step = self.in_flight
+        pipeline = self.pipeline_windows and self.windows_behind_steps
+        so = self.scheduler.schedule_decode_window(k) if pipeline else None
+        if so is None:
+            return self._drain()
+        self.window = self._launch_window(so, k, step)
+        self.in_flight = None
+        self.num_windows_behind_steps += 1
+        return self._finish(step)
+
     def _launch_window(self, so: SchedulerOutput, k: int,
-                       prev: LaunchedWindow | None = None) -> LaunchedWindow:
+                       prev: LaunchedWindow | LaunchedStep | None = None) -> LaunchedWindow:
         window = self.runner.launch_decode_window(so, k, prev)
         self.scheduler.mark_window_launched(so, k)
         return window

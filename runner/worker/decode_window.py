@@ -25,6 +25,7 @@ import torch
 
 from runner.engine.step_io import SchedulerOutput
 from runner.layers.greedy_argmax import greedy_argmax
+from runner.worker.step_sampling import LaunchedStep
 from runner.worker.window_advance import advance_window_step
 
 if TYPE_CHECKING:  # the runner calls this module, not the other way round
@@ -46,13 +47,14 @@ class LaunchedWindow:
 
 @torch.inference_mode()
 def launch_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int,
-                         prev: LaunchedWindow | None = None) -> LaunchedWindow:
+                         prev: LaunchedWindow | LaunchedStep | None = None) -> LaunchedWindow:
     """Queue `k` greedy decode steps of `so`'s requests and the copy of their tokens to the host; no sync.
 
-    `prev`: the window still in flight whose tokens the host has not read. Each of `so`'s requests was in
-    it, and its first input token is the one `prev` ended with: copied on the device from `prev`'s last
-    row of `window_tokens` (the host's token table does not have it yet). Every step replays the decode
-    graph of the batch's bucket."""
+    `prev`: what is still in flight, whose tokens the host has not read. A window: each of `so`'s requests
+    was in it, and its first input token is the one `prev` ended with, copied on the device from `prev`'s
+    last row of `window_tokens` (the host's token table does not have it yet). A step (async scheduling):
+    the token it samples for each request is copied from its sampled ids by the runner's pending-token feed,
+    as for a step launched behind it. Every step replays the decode graph of the batch's bucket."""
     sd = runner._stage(so)
     v, r, bucket, bs = sd.views, sd.r, sd.bucket, runner.block_size
     assert bucket is not None and sd.single_token and len(sd.sample_rows) == r
@@ -62,7 +64,9 @@ def launch_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int,
         v.positions[:r] += deltas
     graphs = runner.decode_graphs
     graph, tokens = graphs.graphs[bucket], graphs.window_tokens
-    if prev is not None:
+    if isinstance(prev, LaunchedStep):
+        runner.token_feed.feed(so, sd, prev)
+    elif prev is not None:
         last = tokens[prev.k - 1]
         if len(prev.so.requests) == r and all(a is b for a, b in zip(prev.so.requests, so.requests)):
             v.input_ids[:r].copy_(last[:r])

@@ -480,9 +480,9 @@ class ModelRunner:
         return run_decode_window(self, so, k)
 
     def launch_decode_window(self, so: SchedulerOutput, k: int,
-                             prev: LaunchedWindow | None = None) -> LaunchedWindow:
-        """Queue a decode window without waiting for it; `prev` is the window still in flight, whose
-        last tokens are this one's first inputs (`runner.worker.decode_window.launch_decode_window`)."""
+                             prev: LaunchedWindow | LaunchedStep | None = None) -> LaunchedWindow:
+        """Queue a decode window without waiting for it; `prev` is the window or step still in flight,
+        whose last tokens are this one's first inputs (`runner.worker.decode_window.launch_decode_window`)."""
         return launch_decode_window(self, so, k, prev)
 
     def finish_decode_window(self, window: LaunchedWindow) -> list[list[int]]:
