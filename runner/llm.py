@@ -311,11 +311,13 @@ class LLM:
             # The prompt embeds past what the first step takes are checked (and uploaded) once that
             # step is launched, so their host memcpy overlaps its GPU time (see `process_leading`).
             # BRIDGE_DEFER_EMBEDS_CHECK=0 checks every prompt first (A/B runs).
-            defer = DEFER_EMBEDS_CHECK
-            requests, later = self.processor.process_leading(
-                prompts, params_list, ids,
-                leading_rows=self.engine_config.max_num_batched_tokens if defer else len(prompts) << 40,
-                leading_prompts=self.engine_config.max_num_seqs if defer else len(prompts))
+            later: DeferredEmbeds | None = None
+            if DEFER_EMBEDS_CHECK:
+                requests, later = self.processor.process_leading(
+                    prompts, params_list, ids, leading_rows=self.engine_config.max_num_batched_tokens,
+                    leading_prompts=self.engine_config.max_num_seqs)
+            else:
+                requests = self.processor.process(prompts, params_list, ids)
             if not requests:
                 return []
             bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm,

@@ -89,6 +89,19 @@ def test_a_bad_leading_prompt_is_refused_before_any_step(llm, one_cpu_thread):
     assert llm.num_free_blocks == llm.num_total_blocks
 
 
+def test_with_the_switch_off_every_prompt_is_checked_before_any_step(llm, one_cpu_thread, monkeypatch):
+    import runner.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "DEFER_EMBEDS_CHECK", False)  # BRIDGE_DEFER_EMBEDS_CHECK=0
+    _, good = _prompts(llm)
+    bad = list(good)
+    bad[4] = {"prompt_embeds": torch.full_like(good[4]["prompt_embeds"], float("nan"))}
+    steps = llm.num_steps
+    with pytest.raises(ValueError, match=r"^prompt 4: prompt_embeds contains NaN or Inf"):
+        llm.generate(bad, PARAMS, use_tqdm=False)
+    assert llm.num_steps == steps
+
+
 def test_other_errors_of_later_prompts_are_still_found_before_any_step(llm, one_cpu_thread):
     _, good = _prompts(llm)
     bad = list(good)
