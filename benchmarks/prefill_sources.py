@@ -37,7 +37,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from runner.layers.attention_metadata import AttentionMetadata  # noqa: E402
-from runner.layers.paged_attention_triton import PrefillConfig, paged_attention_triton  # noqa: E402
+from runner.layers.paged_attention_triton import (  # noqa: E402
+    PrefillConfig,
+    paged_attention_triton,
+    prefill_block_owner,
+)
 
 HQ, HKV, D, BLOCK_SIZE = 16, 8, 128, 16
 LOG2E = 1.4426950408889634
@@ -96,13 +100,7 @@ def _contig_prefill_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qsl_ptr, out_ptr
     at rows `q_start + j` of contiguous (T, Hkv, D) views."""
     global_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    count = 0
-    for base in range(0, num_reqs, SEARCH_BLOCK):
-        idx = base + tl.arange(0, SEARCH_BLOCK)
-        in_range = idx < num_reqs
-        first_block = tl.load(qsl_ptr + idx, mask=in_range, other=0) // BLOCK_Q + idx
-        count += tl.sum(((first_block <= global_block) & in_range).to(tl.int32), 0)
-    req = count - 1
+    req = prefill_block_owner(qsl_ptr, num_reqs, global_block, BLOCK_Q, SEARCH_BLOCK)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     q_block = global_block - (q_start // BLOCK_Q + req)

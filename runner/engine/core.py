@@ -298,11 +298,7 @@ class EngineCore:
     # ----------------------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
         """Abort everything and release the device memory the runner holds."""
-        if self.in_flight is not None:
-            self._drain()
-        if self.window is not None:  # at most one window is in flight between steps
-            window, self.window = self.window, None
-            self.runner.finish_decode_window(window)
+        self.settle()
         for request_id in list(self.scheduler.requests):
             self.scheduler.abort_request(request_id)
         self.runner.release()

@@ -67,6 +67,15 @@ def stage_embeds(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: H
     refuse_not_finite(bad, dtype, first_index)
 
 
+def stage_or_check(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader | None, *,
+                   keep: bool, first_index: int = 0) -> None:
+    """`stage_embeds` through `uploader`, or without one (off a GPU) `check_embeds_finite` on the CPU."""
+    if uploader is not None:
+        stage_embeds(parsed, dtype, uploader, keep=keep, first_index=first_index)
+    else:
+        check_embeds_finite(parsed, dtype, first_index=first_index)
+
+
 def _stage_as_one(parsed: Sequence[ParsedPrompt], dtype: torch.dtype, uploader: HostUploader,
                   first_index: int = 0) -> bool:
     """`stage_embeds` for a call whose embeds are all host tensors (or all tensors on the uploader's
@@ -174,10 +183,7 @@ class DeferredEmbeds:
         self.keep = keep
 
     def run(self) -> None:
-        if self.uploader is not None:
-            stage_embeds(self.parsed, self.dtype, self.uploader, keep=self.keep, first_index=self.first_index)
-        else:
-            check_embeds_finite(self.parsed, self.dtype, first_index=self.first_index)
+        stage_or_check(self.parsed, self.dtype, self.uploader, keep=self.keep, first_index=self.first_index)
         for parsed, request in zip(self.parsed, self.requests):
             # The kept device copy serves the request's admission (or re-admission after a preemption).
             request.prompt_embeds = parsed.embeds
@@ -185,5 +191,5 @@ class DeferredEmbeds:
 
 __all__ = [
     "CHECK_CHUNK_BYTES", "DeferredEmbeds", "check_embeds_finite", "num_leading_prompts", "refuse_not_finite",
-    "stage_calls_as_one", "stage_embeds",
+    "stage_calls_as_one", "stage_embeds", "stage_or_check",
 ]

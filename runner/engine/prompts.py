@@ -19,11 +19,10 @@ from transformers import PreTrainedTokenizerBase
 
 from runner.engine.embeds_staging import (
     DeferredEmbeds,
-    check_embeds_finite,
     num_leading_prompts,
     refuse_not_finite,
     stage_calls_as_one,
-    stage_embeds,
+    stage_or_check,
 )
 from runner.engine.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, Request
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY
@@ -171,10 +170,8 @@ class PromptProcessor:
             try:
                 if bad is not None:
                     refuse_not_finite(bad[k], self.dtype)
-                elif self.uploader is not None:
-                    stage_embeds(staged_now[k], self.dtype, self.uploader, keep=self.keep_device_embeds)
                 else:
-                    check_embeds_finite(staged_now[k], self.dtype)
+                    stage_or_check(staged_now[k], self.dtype, self.uploader, keep=self.keep_device_embeds)
                 for i, (pp, sp) in enumerate(zip(parsed, params)):
                     self.check_params(i, pp, sp)
                 results[c] = [self.make_request(rid, i, pp, sp, stream_text=stream_text)

@@ -493,6 +493,21 @@ def _decode_reduce_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def prefill_block_owner(query_start_loc_ptr, num_reqs, global_block, BLOCK_Q: tl.constexpr,
+                        SEARCH_BLOCK: tl.constexpr):
+    """The request that owns query block `global_block` of `_prefill_kernel`'s flat grid: the number of
+    requests whose first block is at or before it, less one (a vectorised search, `SEARCH_BLOCK` requests
+    at a time)."""
+    count = 0
+    for base in range(0, num_reqs, SEARCH_BLOCK):
+        idx = base + tl.arange(0, SEARCH_BLOCK)
+        in_range = idx < num_reqs
+        first_block = tl.load(query_start_loc_ptr + idx, mask=in_range, other=0) // BLOCK_Q + idx
+        count += tl.sum(((first_block <= global_block) & in_range).to(tl.int32), 0)
+    return count - 1
+
+
 @triton.jit(do_not_specialize=["num_reqs"])  # one build for every batch size (see PREFILL_SEARCH_BLOCK)
 def _prefill_kernel(
     q_ptr,
@@ -540,14 +555,7 @@ def _prefill_kernel(
     # per-request host data. Reversed so the last (longest) query blocks start first.
     global_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    # Find the request: count the requests whose first block is <= global_block (vectorised search).
-    count = 0
-    for base in range(0, num_reqs, SEARCH_BLOCK):
-        idx = base + tl.arange(0, SEARCH_BLOCK)
-        in_range = idx < num_reqs
-        first_block = tl.load(query_start_loc_ptr + idx, mask=in_range, other=0) // BLOCK_Q + idx
-        count += tl.sum(((first_block <= global_block) & in_range).to(tl.int32), 0)
-    req = count - 1
+    req = prefill_block_owner(query_start_loc_ptr, num_reqs, global_block, BLOCK_Q, SEARCH_BLOCK)
     q_start = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1)
     q_len = q_end - q_start
