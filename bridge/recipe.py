@@ -241,6 +241,37 @@ SCHEMA: dict[str, Any] = {
             "tower. Memory: items x rows x tower width. Needs a frozen, non-streaming tower.",
             (bool,),
         ),
+        "packing": Field(
+            None,
+            "Pack several samples into each row of a micro-batch (first-fit, longest first), their "
+            "positions restarting and their attention kept apart, instead of padding every sample to "
+            "the longest. null: on where the varlen FlashAttention kernel runs (CUDA with bf16 "
+            "autocast or a bf16/fp16 LLM), off elsewhere (the CPU's fallback builds a rows x L x L "
+            "mask). The loss is the same per sample either way.",
+            _OPT_BOOL,
+        ),
+        "pack_length": Field(
+            None,
+            "Tokens per packed row (a sample longer than this is an error). null: the whole "
+            "micro-batch in one row under the varlen kernel (no padding at all), rows of the "
+            "longest sample under the mask fallback.",
+            (int, type(None)),
+            lo=1,
+            hi=1 << 22,
+        ),
+        "activation_checkpointing": Field(
+            False,
+            "Recompute each decoder layer's activations during the backward instead of keeping them "
+            "(one more forward per layer; what lets a full finetune at long sequences fit).",
+            (bool,),
+        ),
+        "compile": Field(
+            False,
+            "torch.compile each decoder layer's forward (fuses the norms, rotary embedding and "
+            "activation kernels). The first steps pay the compilation (about a minute), and a new "
+            "packed length once more.",
+            (bool,),
+        ),
         "cpu_threads": Field(
             0,
             "torch CPU threads (0: torch's default). Tiny models train several times faster with 1 "
