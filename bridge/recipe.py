@@ -223,7 +223,8 @@ SCHEMA: dict[str, Any] = {
             "auto",
             "Multi-rank wrapper (torchrun / --nproc): ddp replicates the model on every rank; fsdp "
             "shards weights, gradients and optimizer state (FSDP2, one unit per decoder layer). "
-            "auto: fsdp when the LLM's full weights train (train.trainable.llm), else ddp.",
+            "auto: fsdp when the LLM's full weights train (train.trainable.llm), else ddp. On one "
+            "process only fsdp named explicitly wraps (FSDP2 on one device, the same code path).",
             (str,),
             ("auto", "ddp", "fsdp"),
         ),

@@ -159,3 +159,18 @@ def test_packing_keys_are_validated():
     r = recipe()
     assert r.train.packing is None and r.train.pack_length is None
     assert r.train.activation_checkpointing is False and r.train.compile is False
+
+
+def test_fsdp_on_one_rank_follows_the_plain_run(tmp_path):
+    """train.distributed=fsdp outside torchrun: FSDP2 over a one-rank group, same steps as unwrapped."""
+    full = ("stage=finetune", "train.trainable.llm=true", "train.max_steps=2")
+    plain = Trainer(recipe(*full), tmp_path / "a")
+    fsdp = ("train.distributed=fsdp", "train.activation_checkpointing=true")
+    sharded = Trainer(recipe(*full, *fsdp), tmp_path / "b")
+    assert plain.wrapper == "none" and sharded.wrapper == "fsdp" and sharded.dist.own_group
+    for _ in range(2):
+        assert sharded.train_step() == pytest.approx(plain.train_step(), abs=1e-5)
+    sharded.save_checkpoint()
+    from bridge.training.distributed import shutdown
+
+    shutdown(sharded.dist)

@@ -125,7 +125,9 @@ class Trainer:
         if recipe.train.cpu_threads > 0:
             torch.set_num_threads(recipe.train.cpu_threads)
         self.device = pick_device(recipe.train.device, local_rank_from_env())
-        self.dist: DistInfo = init_distributed(self.device)
+        self.dist: DistInfo = init_distributed(
+            self.device, single_rank_group=recipe.train.distributed == "fsdp"
+        )
         torch.manual_seed(recipe.seed)
         if self.dist.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
