@@ -269,8 +269,8 @@ SCHEMA: dict[str, Any] = {
         "compile": Field(
             False,
             "torch.compile each decoder layer's forward (fuses the norms, rotary embedding and "
-            "activation kernels). The first steps pay the compilation (about a minute), and a new "
-            "packed length once more.",
+            "activation kernels). The first steps pay the compilation, and a new packed length once "
+            "more: worth it on long runs.",
             (bool,),
         ),
         "cpu_threads": Field(

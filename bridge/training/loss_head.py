@@ -1,6 +1,6 @@
 """The LM head and the cross-entropy fused, over target positions only, chunk by chunk.
 
-Why: with a 150k vocabulary the logits dominate the step's memory. The model already applies the
+Why: with a vocabulary of a hundred thousand words or more the logits dominate the step's memory. The model already applies the
 LM head only at positions that predict a target (model.py); this computes those targets' losses
 a chunk of rows at a time and, in the same pass, the gradients with respect to the hidden states
 (and the head's weight when it trains), so at most one chunk's logits exist at any moment and no

@@ -1,7 +1,7 @@
 """Where each sample of a micro-batch goes: one padded row per sample, or several samples packed
 into a row (first-fit decreasing into a token budget), and the index tensors both layouts share.
 
-Why pack: a micro-batch of conversations of 150 to 1,200 tokens padded to its longest sample
+Why pack: a micro-batch of conversations of very different lengths padded to its longest sample
 spends a large share of every matmul on padding. Packed, the samples share rows, each sample's
 positions restart at 0 and its attention never reaches another sample (the attention kernels
 that keep samples apart are in packed_attention.py), so every sample's logits are exactly its
