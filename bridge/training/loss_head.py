@@ -1,10 +1,11 @@
 """The LM head and the cross-entropy fused, over target positions only, chunk by chunk.
 
-Why: with a vocabulary of a hundred thousand words or more the logits dominate the step's memory. The model already applies the
-LM head only at positions that predict a target (model.py); this computes those targets' losses
-a chunk of rows at a time and, in the same pass, the gradients with respect to the hidden states
-(and the head's weight when it trains), so at most one chunk's logits exist at any moment and no
-logits are kept for the backward. The backward only scales the saved gradients.
+Why: with a vocabulary of a hundred thousand words or more the logits dominate the step's memory.
+The model already applies the LM head only at positions that predict a target (model.py); this
+computes those targets' losses a chunk of rows at a time and, in the same pass, the gradients with
+respect to the hidden states (and the head's weight when it trains), so at most one chunk's logits
+exist at any moment and no logits are kept for the backward. The backward only scales the saved
+gradients.
 
 Each target token carries a weight (1 / (its sample's targets * samples) for the per-sample mean
 loss); the result is the weighted sum, in fp32. Matmuls run in the hidden states' dtype (bf16

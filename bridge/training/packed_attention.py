@@ -71,6 +71,13 @@ def varlen_attention_forward(
 
     if dropout:
         raise ValueError("packed varlen attention has no dropout; set the model's attention_dropout to 0")
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        # fp32 LLM weights under autocast (a trained LLM keeps fp32 master weights): the norms hand
+        # fp32 q/k; autocast would run SDPA in its half dtype, and so does this kernel
+        if not torch.is_autocast_enabled(query.device.type):
+            raise ValueError("packed varlen attention needs bf16/fp16 q/k/v or bf16 autocast")
+        half = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (x.to(half) for x in (query, key, value))
     b, heads, length, dim = query.shape
     q = query.transpose(1, 2).reshape(b * length, heads, dim)
     k = key.transpose(1, 2).reshape(b * length, key.shape[1], dim)
