@@ -23,10 +23,10 @@ DEFAULT_CHUNK_ROWS = 2048
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, token_weight, chunk_rows):
-        need_h = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[1]
-        need_b = bias is not None and ctx.needs_input_grad[2]
+    def forward(ctx, hidden, weight, bias, targets, token_weight, chunk_rows, grads):
+        need_h = grads and ctx.needs_input_grad[0]
+        need_w = grads and ctx.needs_input_grad[1]
+        need_b = grads and bias is not None and ctx.needs_input_grad[2]
         compute = hidden.dtype
         w = weight.to(compute)
         b = bias.to(compute) if bias is not None else None
@@ -73,6 +73,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -93,7 +94,10 @@ def fused_linear_cross_entropy(
     if torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(torch.get_autocast_dtype(hidden.device.type))
     with torch.autocast(hidden.device.type, enabled=False):
-        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, token_weight, int(chunk_rows))
+        grads = torch.is_grad_enabled()  # no gradients computed for an evaluation loss
+        return _FusedLinearCrossEntropy.apply(
+            hidden, weight, bias, targets, token_weight, int(chunk_rows), grads
+        )
 
 
 def plain_linear_cross_entropy(
