@@ -223,7 +223,8 @@ SCHEMA: dict[str, Any] = {
             "auto",
             "Multi-rank wrapper (torchrun / --nproc): ddp replicates the model on every rank; fsdp "
             "shards weights, gradients and optimizer state (FSDP2, one unit per decoder layer). "
-            "auto: fsdp when the LLM's full weights train (train.trainable.llm), else ddp.",
+            "auto: fsdp when the LLM's full weights train (train.trainable.llm), else ddp. On one "
+            "process only fsdp named explicitly wraps (FSDP2 on one device, the same code path).",
             (str,),
             ("auto", "ddp", "fsdp"),
         ),
@@ -239,6 +240,37 @@ SCHEMA: dict[str, Any] = {
             "Keep a frozen tower's outputs per training item in device memory and run only the "
             "projector when an item comes back: epochs after the first skip preprocessing and the "
             "tower. Memory: items x rows x tower width. Needs a frozen, non-streaming tower.",
+            (bool,),
+        ),
+        "packing": Field(
+            None,
+            "Pack several samples into each row of a micro-batch (first-fit, longest first), their "
+            "positions restarting and their attention kept apart, instead of padding every sample to "
+            "the longest. null: on where the varlen FlashAttention kernel runs (CUDA with bf16 "
+            "autocast or a bf16/fp16 LLM), off elsewhere (the CPU's fallback builds a rows x L x L "
+            "mask). The loss is the same per sample either way.",
+            _OPT_BOOL,
+        ),
+        "pack_length": Field(
+            None,
+            "Tokens per packed row (a sample longer than this is an error). null: the whole "
+            "micro-batch in one row under the varlen kernel (no padding at all), rows of the "
+            "longest sample under the mask fallback.",
+            (int, type(None)),
+            lo=1,
+            hi=1 << 22,
+        ),
+        "activation_checkpointing": Field(
+            False,
+            "Recompute each decoder layer's activations during the backward instead of keeping them "
+            "(one more forward per layer; what lets a full finetune at long sequences fit).",
+            (bool,),
+        ),
+        "compile": Field(
+            False,
+            "torch.compile each decoder layer's forward (fuses the norms, rotary embedding and "
+            "activation kernels). The first steps pay the compilation, and a new packed length once "
+            "more: worth it on long runs.",
             (bool,),
         ),
         "cpu_threads": Field(

@@ -136,7 +136,8 @@ def test_wrapper_choice_and_recipe_key():
     assert resolve_wrapper("auto", True, two) == "fsdp"
     assert resolve_wrapper("auto", False, two) == "ddp"
     assert resolve_wrapper("ddp", True, two) == "ddp" and resolve_wrapper("fsdp", False, two) == "fsdp"
-    assert resolve_wrapper("fsdp", True, one) == "none"  # one process: nothing to wrap
+    assert resolve_wrapper("auto", True, one) == "none"  # one process: nothing to wrap
+    assert resolve_wrapper("fsdp", False, one) == "fsdp"  # unless FSDP2 is asked for by name
     assert validate(RECIPE).train.distributed == "auto"
     with pytest.raises(
         RecipeError, match=r"train.distributed: 'zero3' is not one of \['auto', 'ddp', 'fsdp'\]"

@@ -1,9 +1,12 @@
-"""Examples -> one padded training batch: token ids, labels, encoder inputs, and every index the
-step needs, computed on the CPU.
+"""Examples -> one training batch: token ids, labels, encoder inputs, and every index the step
+needs, computed on the CPU.
 
 The prompt part goes through `tokenize_prompt` (the same function generation uses), the target
-gets EOS, labels are -100 on the prompt and on padding. Encoder inputs are preprocessed on the
-CPU and collated per modality in the order the rows will be scattered back.
+gets EOS; each sample is then a token sequence with a loss mask (True on the tokens the model
+learns to produce), so the layout does not care how many prompt/target segments a sample has.
+Samples are laid out one per padded row or packed several to a row (packing.py); labels are
+-100 except on loss tokens. Encoder inputs are preprocessed on the CPU and collated per modality
+in the order the rows will be scattered back.
 
 Why the index tensors (`row_slots`, `target_pos`, `target_ids`, `target_weight`): the step must
 have no data-dependent shapes on the device. Boolean-mask indexing, `masked_select` and
@@ -21,18 +24,40 @@ from typing import Any
 import torch
 
 from bridge.data.example import Example
-from bridge.data.tokenize import TokenizedPrompt, tokenize_prompt, tokenize_target
+from bridge.data.tokenize import Span, TokenizedPrompt, tokenize_prompt, tokenize_target
+from bridge.training.packing import IGNORE, layout_tensors, packed_layout, padded_layout
 
-IGNORE = -100
+__all__ = ["IGNORE", "TokenizedExample", "TrainBatch", "collate_examples", "tokenize_example"]
+
+
+@dataclass
+class TokenizedExample:
+    """One sample as the LLM reads it: the whole sequence (prompt and targets; its spans say where
+    encoder rows go) and the loss mask (True on each token the model is trained to produce)."""
+
+    seq: TokenizedPrompt
+    loss: list[bool]
+
+
+def tokenize_example(tokenizer, ex: Example, num_rows: Mapping[str, Any]) -> TokenizedExample:
+    """Prompt (placeholders expanded) then target + EOS; the loss covers the target tokens."""
+    tp = tokenize_prompt(tokenizer, ex.prompt, ex.media, num_rows)
+    target = tokenize_target(tokenizer, ex.target)
+    seq = TokenizedPrompt(
+        tp.ids + target,
+        tp.is_token + [True] * len(target),
+        [Span(s.modality, s.item_index, s.start, s.length) for s in tp.spans],
+    )
+    return TokenizedExample(seq, [False] * len(tp.ids) + [True] * len(target))
 
 
 @dataclass
 class TrainBatch:
-    input_ids: torch.Tensor  # (B, L) long; placeholder ids at encoder positions, pad after
-    is_token: torch.Tensor  # (B, L) bool; False where an encoder row goes
-    attention_mask: torch.Tensor  # (B, L) long
-    labels: torch.Tensor  # (B, L) long; IGNORE except target tokens
-    prompts: list[TokenizedPrompt]
+    input_ids: torch.Tensor  # (R, L) long; placeholder ids at encoder positions, pad after
+    is_token: torch.Tensor  # (R, L) bool; False where an encoder row goes
+    attention_mask: torch.Tensor | None  # (R, L) long for padded rows; None when packed
+    labels: torch.Tensor  # (R, L) long; IGNORE except target tokens
+    prompts: list[TokenizedPrompt]  # per sample: the whole sequence (prompt and target)
     encoder_inputs: dict[str, Any]  # modality -> collated batch for that encoder
     first_item: dict[str, list[int]]  # modality -> index of each prompt's first item in the batch
     num_items: dict[str, int]
@@ -45,6 +70,12 @@ class TrainBatch:
     target_pos: torch.Tensor | None = None  # (N,) long; flat positions t whose next token is a target
     target_ids: torch.Tensor | None = None  # (N,) long; the target token predicted at target_pos
     target_weight: torch.Tensor | None = None  # (N,) float32; 1 / (targets of its sample * B)
+    target_counts: list[int] | None = None  # loss tokens per sample, in sample (= target_pos) order
+    # packed rows (see packing.py): positions restart per sample, attention stays inside a sample
+    position_ids: torch.Tensor | None = None  # (R, L) long
+    segment_ids: torch.Tensor | None = None  # (R, L) long; sample index, -1 on a row's padding tail
+    cu_seqlens: torch.Tensor | None = None  # (S + 1,) int32; segment bounds in the flat R * L stream
+    max_seqlen: int = 0  # longest segment
 
     TENSOR_FIELDS = (
         "input_ids",
@@ -55,7 +86,14 @@ class TrainBatch:
         "target_pos",
         "target_ids",
         "target_weight",
+        "position_ids",
+        "segment_ids",
+        "cu_seqlens",
     )
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor of the batch, encoder inputs included."""
@@ -130,10 +168,15 @@ def collate_examples(
     encoders: Mapping[str, Any],
     keys: Sequence[Any] | None = None,
     cached: Container | None = None,
+    *,
+    pack: bool = False,
+    pack_length: int | str | None = None,
 ) -> TrainBatch:
     """Build a TrainBatch. `keys[i]` identifies example i across epochs (its dataset index); items
     whose key `(modality, keys[i], j)` is in `cached` (the trainer's tower-output cache) are not
-    preprocessed at all."""
+    preprocessed at all. `pack`: samples share rows of `pack_length` tokens (None: one row for
+    the whole micro-batch; "longest": rows of the longest sample), see packing.py; else one
+    padded row per sample."""
     if not examples:
         raise ValueError("collate_examples needs at least one example")
     num_rows = {m: enc.num_rows for m, enc in encoders.items()}
@@ -143,10 +186,9 @@ def collate_examples(
     all_keys: dict[str, list[Any]] = {m: [] for m in encoders}
     new_keys: dict[str, list[Any]] = {m: [] for m in encoders}
     for i, ex in enumerate(examples):
-        tp = tokenize_prompt(tokenizer, ex.prompt, ex.media, num_rows)
-        target = tokenize_target(tokenizer, ex.target)
-        prompts.append(tp)
-        seqs.append((tp, target))
+        te = tokenize_example(tokenizer, ex, num_rows)
+        prompts.append(te.seq)
+        seqs.append((te.seq.ids, te.seq.is_token, te.loss))
         for m in encoders:
             first_item[m].append(len(all_keys[m]))
             for j, item in enumerate(ex.media.get(m, [])):
@@ -156,7 +198,10 @@ def collate_examples(
                     continue
                 new_keys[m].append(key)
                 processed[m].append(encoders[m].preprocess(item))
-    tensors = _pad_and_index(seqs, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    lengths = [len(ids) for ids, _, _ in seqs]
+    layout = packed_layout(lengths, pack_length) if pack else padded_layout(lengths)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    tensors = layout_tensors(seqs, layout, pad)
     encoder_inputs = {m: encoders[m].collate(items) for m, items in processed.items() if items}
     return TrainBatch(
         tensors["input_ids"],
@@ -173,38 +218,9 @@ def collate_examples(
         target_pos=tensors["target_pos"],
         target_ids=tensors["target_ids"],
         target_weight=tensors["target_weight"],
+        target_counts=tensors["target_counts"],
+        position_ids=tensors["position_ids"],
+        segment_ids=tensors["segment_ids"],
+        cu_seqlens=tensors["cu_seqlens"],
+        max_seqlen=tensors["max_seqlen"],
     )
-
-
-def _pad_and_index(seqs: list[tuple[TokenizedPrompt, list[int]]], pad: int) -> dict[str, torch.Tensor]:
-    """Padded (B, L) tensors and the flat index tensors, built from Python lists in one go (one
-    `torch.tensor` per output, not per example)."""
-    b = len(seqs)
-    longest = max(len(tp.ids) + len(target) for tp, target in seqs)
-    ids_rows, token_rows, mask_rows, label_rows = [], [], [], []
-    row_slots, target_pos, target_ids, target_weight = [], [], [], []
-    for i, (tp, target) in enumerate(seqs):
-        n_prompt, n = len(tp.ids), len(tp.ids) + len(target)
-        fill = longest - n
-        ids_rows.append(tp.ids + target + [pad] * fill)
-        token_rows.append(tp.is_token + [True] * (len(target) + fill))
-        mask_rows.append([1] * n + [0] * fill)
-        label_rows.append([IGNORE] * n_prompt + target + [IGNORE] * fill)
-        base = i * longest
-        # spans in sequence order, positions within a span consecutive: row-major order, the
-        # order ordered_rows() concatenates the encoder rows in
-        row_slots.extend(base + t for t, is_tok in enumerate(tp.is_token) if not is_tok)
-        # position t predicts token t + 1: the targets are predicted from n_prompt - 1 .. n - 2
-        target_pos.extend(range(base + n_prompt - 1, base + n - 1))
-        target_ids.extend(target)
-        target_weight.extend([1.0 / (len(target) * b)] * len(target))
-    return {
-        "input_ids": torch.tensor(ids_rows, dtype=torch.long),
-        "is_token": torch.tensor(token_rows, dtype=torch.bool),
-        "attention_mask": torch.tensor(mask_rows, dtype=torch.long),
-        "labels": torch.tensor(label_rows, dtype=torch.long),
-        "row_slots": torch.tensor(row_slots, dtype=torch.long),
-        "target_pos": torch.tensor(target_pos, dtype=torch.long),
-        "target_ids": torch.tensor(target_ids, dtype=torch.long),
-        "target_weight": torch.tensor(target_weight, dtype=torch.float32),
-    }

@@ -17,6 +17,8 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    #: a one-rank process group this process made for itself (FSDP2 on one device)
+    own_group: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -36,10 +38,19 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> DistInfo:
+def init_distributed(device: torch.device, single_rank_group: bool = False) -> DistInfo:
+    """The rank's place in the run. `single_rank_group`: outside torchrun, still make a one-rank
+    process group (in-memory store), so FSDP2 runs on one device through the code path it takes
+    on several."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return DistInfo()
+        if not single_rank_group:
+            return DistInfo()
+        if dist.is_initialized():
+            return DistInfo()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        return DistInfo(own_group=True)
     info = DistInfo(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
@@ -68,7 +79,7 @@ def shutdown(info: DistInfo, *, finished: bool = True) -> None:
     barrier: a rank that destroyed its group while a peer still talked to it (the last checkpoint's
     gather) aborted at exit now and then ("terminate called without an active exception"). After an
     error there is no barrier, since a peer that already failed would never arrive."""
-    if info.enabled and dist.is_initialized():
+    if (info.enabled or info.own_group) and dist.is_initialized():
         if finished:
             dist.barrier()
         dist.destroy_process_group()

@@ -36,11 +36,12 @@ WRAPPERS = ("auto", "ddp", "fsdp")
 
 
 def resolve_wrapper(requested: str, llm_unfrozen: bool, dist_info: DistInfo) -> str:
-    """'none' (one rank), 'ddp' or 'fsdp'. auto: fsdp when the LLM's full weights train."""
+    """'none', 'ddp' or 'fsdp'. auto: fsdp when the LLM's full weights train. One rank: 'none',
+    unless fsdp is asked for by name (FSDP2 on one device, the multi-device code path)."""
     if requested not in WRAPPERS:
         raise ValueError(f"train.distributed: {requested!r} is not one of {list(WRAPPERS)}")
     if not dist_info.enabled:
-        return "none"
+        return "fsdp" if requested == "fsdp" else "none"
     if requested == "auto":
         return "fsdp" if llm_unfrozen else "ddp"
     return requested

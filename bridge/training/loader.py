@@ -129,8 +129,11 @@ class MicroBatchBuilder:
         *,
         start: int,
         cache_keys: frozenset | None = None,
+        collate_options: Mapping[str, Any] | None = None,
     ):
         self.dataset = dataset
+        #: keyword arguments of collate_examples (the run's packing)
+        self.collate_options = dict(collate_options or {})
         self.tokenizer = tokenizer
         self.encoders = encoders
         self.sampler = sampler
@@ -152,7 +155,9 @@ class MicroBatchBuilder:
     def build(self, micro_step: int, cached: Container | None) -> TrainBatch:
         indices = self.sampler.micro_batch(micro_step)
         examples = [self.dataset[i] for i in indices]
-        return collate_examples(examples, self.tokenizer, self.encoders, keys=indices, cached=cached)
+        return collate_examples(
+            examples, self.tokenizer, self.encoders, keys=indices, cached=cached, **self.collate_options
+        )
 
     def __call__(self, micro_step: int) -> tuple[int, TrainBatch]:
         return micro_step, self.build(micro_step, self.cached_before(micro_step))

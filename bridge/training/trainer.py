@@ -69,8 +69,10 @@ from bridge.training.fsdp import (
     shard_model,
     wrap_for_training,
 )
+from bridge.training.layer_options import apply_layer_options
 from bridge.training.loader import BatchStream, MicroBatchBuilder, StepTiming, resolve_num_workers
 from bridge.training.model import BridgeModel
+from bridge.training.packed_attention import resolve_packing
 from bridge.training.plots import plot_loss, read_metrics
 from bridge.training.sampler import ResumableSampler
 from bridge.training.schedule import build_scheduler
@@ -123,7 +125,9 @@ class Trainer:
         if recipe.train.cpu_threads > 0:
             torch.set_num_threads(recipe.train.cpu_threads)
         self.device = pick_device(recipe.train.device, local_rank_from_env())
-        self.dist: DistInfo = init_distributed(self.device)
+        self.dist: DistInfo = init_distributed(
+            self.device, single_rank_group=recipe.train.distributed == "fsdp"
+        )
         torch.manual_seed(recipe.seed)
         if self.dist.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -154,8 +158,15 @@ class Trainer:
                 f"train.mixed_precision={recipe.train.mixed_precision} needs FSDP2 (this run uses "
                 f"{self.wrapper}); use train.precision=bf16 (autocast) instead"
             )
+        #: collate_examples' packing options, and the attention that keeps packed samples apart
+        self.collate_options = resolve_packing(recipe.train, self.model, self.llm, self.device)
         if self.wrapper == "fsdp":  # before the optimizer: sharding replaces the parameters
             shard_model(self.model, self.llm, self.device, self.dist.world_size, recipe.train.mixed_precision)
+        apply_layer_options(
+            self.llm,
+            activation_checkpointing=recipe.train.activation_checkpointing,
+            compile=recipe.train.compile,
+        )
 
         tr = recipe.train
         enc_params = [p for p in self.model.encoders.parameters() if p.requires_grad]
@@ -234,9 +245,9 @@ class Trainer:
         indices = self.sampler.micro_batch(micro_step)
         examples = [self.train_set[i] for i in indices]
         cache = self.model.tower_cache
-        return collate_examples(examples, self.tokenizer, self.encoders, keys=indices, cached=cache).to(
-            self.device
-        )
+        return collate_examples(
+            examples, self.tokenizer, self.encoders, keys=indices, cached=cache, **self.collate_options
+        ).to(self.device)
 
     def _batch_stream(self, micro_step: int) -> BatchStream:
         """The stream whose next micro-batch is `micro_step`: the running one, or a new one (first
@@ -254,6 +265,7 @@ class Trainer:
             self.sampler,
             start=micro_step,
             cache_keys=frozenset(cache) if cache is not None else None,
+            collate_options=self.collate_options,
         )
         self._batches = BatchStream(
             builder,
@@ -332,7 +344,8 @@ class Trainer:
         total = None
         for start in range(0, n, size):
             examples = [self.eval_set[i] for i in range(start, min(n, start + size))]
-            batch = collate_examples(examples, self.tokenizer, self.encoders).to(self.device)
+            batch = collate_examples(examples, self.tokenizer, self.encoders, **self.collate_options)
+            batch = batch.to(self.device)
             with self._autocast():
                 loss = self.train_module(batch).detach() * len(examples)
             total = loss if total is None else total + loss
