@@ -3,8 +3,11 @@
     bridge train RECIPE [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge demo {shapes,tones,graphs} [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge defaults [RECIPE]             # every recipe key with its default, and the registered parts
-    bridge eval RUN [--backend URL]      # evaluate a run's newest checkpoint (or a checkpoint dir)
-    bridge serve PATH [--port N] [...]   # OpenAI-compatible server (bridge.serve; `serve` extra)
+    bridge eval RUN [--backend URL] [--no-verify]  # evaluate a run's newest checkpoint (or a checkpoint)
+    bridge serve PATH [--port N] [--no-verify] [...]  # OpenAI-compatible server (`serve` extra)
+
+A checkpoint is checked against its manifest.json before `eval` or `serve` reads it (`--no-verify`
+skips that).
 
 `--nproc N` (N > 1) starts N ranks of the same command on this host (bridge.training.launch: the
 environment torchrun gives, one message when a rank fails) for DDP, or FSDP2 when the LLM is
@@ -256,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     launching = args.nproc > 1 and world <= 1
     # every rank checks (the same files give the same answer, so all stop together); rank 0 speaks
-    code = _check_run(recipe, output_dir, notes=not launching and os.environ.get("RANK", "0") == "0")
+    code = _check_run(recipe, output_dir, speak=os.environ.get("RANK", "0") == "0", notes=not launching)
     if code:
         return code
     if launching:
@@ -264,19 +267,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _train(recipe, output_dir, args.force, world)
 
 
-def _check_run(recipe: Any, output_dir: Path, notes: bool) -> int:
+def _check_run(recipe: Any, output_dir: Path, speak: bool, notes: bool) -> int:
     """The output folder and the data, before anything is written (bridge.run_check): 2 and every
-    problem listed, else 0 (and, with `notes`, what the run will do about the data)."""
+    problem listed (when `speak`), else 0 (and, with `notes`, what the run will do about the data)."""
     from bridge.run_check import check_run
 
     check = check_run(recipe, output_dir)
+    if check.num_problems and not speak:
+        return 2
     if check.num_problems:
         n = check.num_problems
         _err(f"bridge: {n} problem{'s' if n != 1 else ''} found before training (nothing was written):")
         for line in check.lines():
             _err(f"  {line}")
         return 2
-    for note in check.notes if notes else ():
+    for note in check.notes if notes and speak else ():
         _err(f"bridge: {note}")
     return 0
 

@@ -152,7 +152,13 @@ def check_data(recipe, check: RunCheck) -> None:
 def _check_target_lengths(recipe, rows: list[tuple[Path, int, str]], context: int, check: RunCheck) -> None:
     from bridge.data.tokenize import tokenize_target
 
-    tokenizer = _recipe_tokenizer(recipe)
+    try:
+        tokenizer = _recipe_tokenizer(recipe)
+    except Exception as exc:  # noqa: BLE001  transformers raises many types for a broken tokenizer
+        path, line, _ = rows[0]
+        check.add(f"{path}:{line}: the target may be longer than the model's context ({context}), and the "
+                  f"tokenizer to count it could not be loaded: {type(exc).__name__}: {str(exc)[:200]}")
+        return
     over = []
     for path, line, target in rows:
         n = len(tokenize_target(tokenizer, target))

@@ -189,3 +189,18 @@ def test_fit_to_context_cuts_the_target_at_a_token_boundary():
     assert fitted[1] is data[1]  # what fits is untouched
     with pytest.raises(ValueError, match="the prompt alone is"):
         FitToContext(data, tok, {"graph": lambda item: 40}, context=32)[0]
+
+
+def test_the_check_and_the_data_set_number_lines_alike(tmp_path):
+    """JSONL lines end at "\\n" only: a U+2028 inside a JSON string is not a line break for either."""
+    from bridge.data.jsonl import JsonlDataset
+    from bridge.data.jsonl_check import scan_jsonl
+
+    (tmp_path / "g.json").write_text(json.dumps({"num_nodes": 3, "edges": [[0, 1], [1, 2]]}))
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"graph": "g.json", "text": "a\u2028b"}, ensure_ascii=False) + "\n{oops\n",
+                    encoding="utf-8")
+    assert scan_jsonl(path, prompt="<graph>").problems == [
+        f"{path}:2: not valid JSON: Expecting property name enclosed in double quotes at column 2"]
+    with pytest.raises(ValueError, match=f"{path}:2: not valid JSON"):
+        JsonlDataset(path, prompt="<graph>")
