@@ -9,8 +9,8 @@ Workload: the shapes vision recipe on a Qwen3-0.6B-shaped LLM body (hidden 1024,
 `model.tiny`, random weights) with a conv image tower, bf16 autocast, global batch `--batch`.
 
 Two settings, each run on one GPU (`train.batch_size=B`) and on two (`--nproc 2`, `train.batch_size=B/2`,
-so the global batch is the same), through the real CLI (`python -m bridge train`, which launches
-torchrun with the NCCL backend):
+so the global batch is the same), through the real CLI (`python -m bridge train`, which starts the
+ranks with torchrun's environment; NCCL backend):
 
 - ddp: stage align (the projector trains, tower and LLM frozen), `train.distributed=ddp`;
 - fsdp: stage finetune with the whole LLM and the projector training, `train.distributed=fsdp`

@@ -1,13 +1,13 @@
 """bridge: the hall that joins `encoders/` and `runner/`: the Bridge API, recipes, training, the wire
 format and the CLI.
 
-Heavy parts (training, the Bridge API) are imported lazily so that `import bridge` stays cheap for
-the wire format and the CLI's argument parsing.
+Every export is imported on first use, so that `import bridge` (which the `bridge` console script
+does before anything else) loads no torch: the CLI's help and usage errors answer at once.
 """
 
-from bridge.wire import DEFAULT_MAX_PROMPT_EMBEDS_BYTES, encode_prompt_embeds, load_prompt_embeds
-
 __all__ = ["DEFAULT_MAX_PROMPT_EMBEDS_BYTES", "Bridge", "encode_prompt_embeds", "load_prompt_embeds"]
+
+_WIRE = ("DEFAULT_MAX_PROMPT_EMBEDS_BYTES", "encode_prompt_embeds", "load_prompt_embeds")
 
 
 def __getattr__(name: str):
@@ -15,4 +15,12 @@ def __getattr__(name: str):
         from bridge.api import Bridge
 
         return Bridge
+    if name in _WIRE:
+        from bridge import wire
+
+        return getattr(wire, name)
     raise AttributeError(f"module 'bridge' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -147,22 +147,19 @@ class Bridge:
         device: str | torch.device | None = None,
         enforce_eager: bool = False,
         backend: Any = None,
+        verify: bool = True,
     ) -> Bridge:
         """A trained checkpoint (OUTPUT/checkpoints/step_N, or OUTPUT itself for its newest).
 
-        Custom parts the run used (its recipe's `imports`) are imported again from the paths the
-        checkpoint recorded. `backend="http://host:8000"` generates on a vLLM-compatible server
-        running its base LLM."""
+        Its files are checked against its manifest.json first (a ValueError names each file that
+        differs); `verify=False` loads it unchecked. Custom parts the run used (its recipe's
+        `imports`) are imported again from the paths the checkpoint recorded.
+        `backend="http://host:8000"` generates on a vLLM-compatible server running its base LLM."""
         # the checkpoint layout belongs to the trainer; imported here, not at module top, so that
         # `import bridge.api` does not load the training package
         from bridge.training import checkpoint as ckpt_io
 
-        directory = Path(directory)
-        if not (directory / "meta.json").is_file():
-            latest = ckpt_io.latest_checkpoint(directory)
-            if latest is None:
-                raise ValueError(f"{directory} is neither a checkpoint (no meta.json) nor a run dir with one")
-            directory = latest
+        directory = ckpt_io.open_checkpoint(directory, verify=verify)
         meta = ckpt_io.read_meta(directory)
         llm_dir = directory / meta["llm_dir"] if meta["llm_dir"] == "llm" else Path(meta["llm_dir"])
         encoders = {m: load_encoder(directory / "encoder" / m) for m in meta["modalities"]}

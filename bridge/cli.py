@@ -3,16 +3,23 @@
     bridge train RECIPE [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge demo {shapes,tones,graphs} [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge defaults [RECIPE]             # every recipe key with its default, and the registered parts
-    bridge eval RUN [--backend URL]      # evaluate a run's newest checkpoint (or a checkpoint dir)
-    bridge serve PATH [--port N] [...]   # OpenAI-compatible server (bridge.serve; `serve` extra)
+    bridge eval RUN [--backend URL] [--no-verify]  # evaluate a run's newest checkpoint (or a checkpoint)
+    bridge serve PATH [--port N] [--no-verify] [...]  # OpenAI-compatible server (`serve` extra)
 
-`--nproc N` (N > 1) re-launches the same command under torchrun with N processes (DDP, or FSDP2
-when the LLM is unfrozen: `train.distributed`);
-`torchrun --nproc_per_node N -m bridge train RECIPE` does the same by hand.
+A checkpoint is checked against its manifest.json before `eval` or `serve` reads it (`--no-verify`
+skips that).
+
+`--nproc N` (N > 1) starts N ranks of the same command on this host (bridge.training.launch: the
+environment torchrun gives, one message when a rank fails) for DDP, or FSDP2 when the LLM is
+unfrozen (`train.distributed`); `torchrun --nproc_per_node N -m bridge train RECIPE` works too.
 
 Exit codes: 0 done; 1 the run failed on bad input (one line, no traceback; BRIDGE_TRACEBACK=1
-shows it); 2 the command line, the recipe or a resume was refused before anything was written;
-130 interrupted (Ctrl-C). stdout carries the JSON summary only; status lines go to stderr.
+shows it); 2 the command line, the recipe, the output folder, the data or a resume was refused
+before anything was written; 130 interrupted (Ctrl-C). stdout carries the JSON summary only;
+status lines go to stderr.
+
+Module-level imports are the standard library's alone: `bridge --help`, `bridge train --help` and
+`bridge defaults` answer without loading torch; each command imports what it needs when it runs.
 """
 
 from __future__ import annotations
@@ -21,14 +28,10 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from bridge.recipe import RecipeError, default_output_dir, describe_schema, load_recipe
-from encoders.api import PREPROCESSORS, PROJECTORS, TOWERS
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "recipes" / "demo"
 DEMOS = ("shapes", "tones", "graphs")
@@ -38,7 +41,9 @@ OVERRIDES_HELP = (
 )
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(serve_arguments: Any = None) -> argparse.ArgumentParser:
+    """The command line. `serve_arguments(subparser)` adds `bridge serve`'s flags; only `bridge serve`
+    itself needs them (they live with the server, whose import is heavy)."""
     parser = argparse.ArgumentParser(prog="bridge", description="Train encoders into LLMs from recipes.")
     sub = parser.add_subparsers(dest="command", required=True)
     common = "[--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]"
@@ -75,13 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=None, help="max new tokens (default: the recipe's)")
     ev.add_argument("--device", default=None, help="where the encoders (and a local LLM) run")
     ev.add_argument("--output", default=None, help="write the full report (with samples) to this JSON file")
+    ev.add_argument("--no-verify", action="store_true",
+                    help="load the checkpoint even when its files differ from its manifest.json")
     serve = sub.add_parser("serve", help="serve a model dir or a trained run over an OpenAI-compatible API")
-    try:
-        from bridge.serve.server import add_serve_arguments
-    except ImportError:  # the `serve` extra is not installed: the command says so when run
+    if serve_arguments is None:
         serve.add_argument("rest", nargs=argparse.REMAINDER)
     else:
-        add_serve_arguments(serve)
+        serve_arguments(serve)
     return parser
 
 
@@ -98,6 +103,12 @@ def _eval(args: argparse.Namespace) -> int:
     if ckpt is None or not (ckpt / "recipe.yaml").is_file():
         print(f"bridge: eval: {str(run)[:200]} is neither a checkpoint nor a run with one", file=sys.stderr)
         return 2
+    if not args.no_verify:  # before its recipe is read; the load below then skips hashing it again
+        try:
+            ckpt_io.open_checkpoint(ckpt)
+        except ValueError as exc:
+            print(f"bridge: eval: {str(exc)[:1000]}", file=sys.stderr)
+            return 2
     overrides = [f"eval.{k}={v}" for k, v in (("num_items", args.num_items), ("max_tokens", args.max_tokens),
                                                ("backend", args.backend)) if v is not None]
     try:
@@ -113,7 +124,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     device = torch.device(args.device) if args.device else None
     try:
-        report = evaluate_checkpoint(ckpt, eval_set, recipe.eval, device, args.output)
+        report = evaluate_checkpoint(ckpt, eval_set, recipe.eval, device, args.output, verify=False)
     except (ValueError, RemoteError, BatchGenerationError) as exc:
         print(f"bridge: eval: {str(exc)[:1000]}", file=sys.stderr)
         return 1
@@ -121,32 +132,23 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch_torchrun(argv: Sequence[str], nproc: int) -> int:
-    """Re-run this command under torchrun with `nproc` ranks (the children see WORLD_SIZE > 1)."""
-    args = [a for a in argv]
+def _launch_ranks(argv: Sequence[str], nproc: int, output_dir: Path) -> int:
+    """Run this command as `nproc` ranks on this host (the children see WORLD_SIZE > 1)."""
+    from bridge.training.launch import last_checkpoint_hint, launch
+
+    args = list(argv)
     if "--nproc" in args:
         i = args.index("--nproc")
         del args[i : i + 2]
     args = [a for a in args if not a.startswith("--nproc=")]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "bridge",
-        *args,
-    ]
-    print("launching:", " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.call(cmd)
+    return launch(args, nproc, lambda: last_checkpoint_hint(output_dir))
 
 
 def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _recipe_error(path: Path, exc: RecipeError) -> int:
+def _recipe_error(path: Path, exc: Any) -> int:
     n = len(exc.problems)
     _err(f"bridge: {n} problem{'s' if n != 1 else ''} in recipe {path}:")
     for line in exc.problems:
@@ -154,12 +156,17 @@ def _recipe_error(path: Path, exc: RecipeError) -> int:
     return 2
 
 
-def describe_parts() -> str:
-    """The registered towers, projectors and preprocessors (built-in and imported)."""
-    return "\n".join(
-        f"# {kind}: {', '.join(sorted(table))}"
-        for kind, table in (("towers", TOWERS), ("projectors", PROJECTORS), ("preprocessors", PREPROCESSORS))
-    )
+def describe_parts(registered: bool = True) -> str:
+    """The towers, projectors and preprocessors: the registry's (built-in and imported), or with
+    `registered=False` the built-in names from a static table, which loads no torch."""
+    from bridge.builtin_parts import describe_parts as describe
+
+    if not registered:
+        return describe()
+    from encoders.api import PREPROCESSORS, PROJECTORS, TOWERS
+
+    return describe({"towers": tuple(TOWERS), "projectors": tuple(PROJECTORS),
+                     "preprocessors": tuple(PREPROCESSORS)})
 
 
 def _finite(value: Any) -> Any:
@@ -193,23 +200,25 @@ def _final_line(summary: dict) -> str:
 
 
 def _defaults(recipe: str | None) -> int:
-    if recipe is not None:
+    from bridge.recipe import RecipeError, describe_schema, load_recipe
+
+    if recipe is not None:  # its `imports` may register parts: then the registry is read
         try:
             load_recipe(recipe, check_encoder=False)
         except RecipeError as exc:
             return _recipe_error(Path(recipe).resolve(), exc)
     print(describe_schema())
-    print(describe_parts())
+    print(describe_parts(registered=recipe is not None))
     return 0
 
 
-def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+def _serve(argv: list[str]) -> int:
     try:
-        from bridge.serve.server import serve
+        from bridge.serve.server import add_serve_arguments, serve
     except ImportError as exc:
         print(f"bridge: serve needs the server extra: pip install -e \".[serve]\" ({exc})", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = _parser(add_serve_arguments).parse_args(argv)
     try:
         return serve(args)
     except ValueError as exc:
@@ -219,9 +228,9 @@ def _serve(parser: argparse.ArgumentParser, argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
     if argv[:1] == ["serve"]:
-        return _serve(parser, argv)
+        return _serve(argv)
+    parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command == "defaults":
         if extra:
@@ -239,21 +248,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err("bridge: --nproc must be >= 1")
         return 2
 
+    from bridge.recipe import RecipeError, default_output_dir, load_recipe
+
     recipe_path = DEMO_DIR / f"{args.name}.yaml" if args.command == "demo" else Path(args.recipe)
     try:
         recipe = load_recipe(recipe_path, overrides)
     except RecipeError as exc:
         return _recipe_error(recipe_path.resolve(), exc)
-    if args.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return _launch_torchrun(argv, args.nproc)
+    output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(recipe)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launching = args.nproc > 1 and world <= 1
+    # every rank checks (the same files give the same answer, so all stop together); rank 0 speaks
+    code = _check_run(recipe, output_dir, speak=os.environ.get("RANK", "0") == "0", notes=not launching)
+    if code:
+        return code
+    if launching:
+        return _launch_ranks(argv, args.nproc, output_dir)
+    return _train(recipe, output_dir, args.force, world)
 
-    # the trainer pulls in transformers and the runner: imported once the command line and the
-    # recipe are known to be good, so that usage and recipe errors come back at once
+
+def _check_run(recipe: Any, output_dir: Path, speak: bool, notes: bool) -> int:
+    """The output folder and the data, before anything is written (bridge.run_check): 2 and every
+    problem listed (when `speak`), else 0 (and, with `notes`, what the run will do about the data)."""
+    from bridge.run_check import check_run
+
+    check = check_run(recipe, output_dir)
+    if check.num_problems and not speak:
+        return 2
+    if check.num_problems:
+        n = check.num_problems
+        _err(f"bridge: {n} problem{'s' if n != 1 else ''} found before training (nothing was written):")
+        for line in check.lines():
+            _err(f"  {line}")
+        return 2
+    for note in check.notes if notes and speak else ():
+        _err(f"bridge: {note}")
+    return 0
+
+
+def _train(recipe: Any, output_dir: Path, force: bool, world: int) -> int:
+    # the trainer pulls in transformers and the runner: imported once the command line, the recipe
+    # and the data are known to be good, so that their errors come back at once
     from bridge.training.trainer import ResumeMismatch, TrainingInterrupted, train
 
-    output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(recipe)
     try:
-        summary = train(recipe, output_dir, force=args.force)
+        summary = train(recipe, output_dir, force=force)
     except ResumeMismatch as exc:
         _err(f"bridge: refusing to resume: {exc}")
         return 2
@@ -263,15 +302,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("bridge: interrupted before training started; rerun the same command to start")
         return 130
-    except (ValueError, FloatingPointError, FileNotFoundError) as exc:
+    except (ValueError, FloatingPointError, OSError) as exc:
         if os.environ.get("BRIDGE_TRACEBACK"):
             raise
-        _err(f"bridge: error: {str(exc)[:2000]}")
+        _err(f"bridge: {_rank_prefix(world)}error: {str(exc)[:2000]}")
+        return 1
+    except Exception as exc:  # noqa: BLE001  one rank of several: its one line, not a traceback each
+        if world <= 1 or os.environ.get("BRIDGE_TRACEBACK"):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:500]
+        _err(f"bridge: {_rank_prefix(world)}{type(exc).__name__}: {first}")
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
         _err(_final_line(summary))  # before the JSON, so the JSON ends a merged stdout + stderr
         print(json.dumps(_report(summary), indent=2, allow_nan=False), flush=True)
     return 0
+
+
+def _rank_prefix(world: int) -> str:
+    return f"rank {os.environ.get('RANK', '0')}: " if world > 1 else ""
 
 
 if __name__ == "__main__":

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import copy
 import difflib
+import errno
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +32,30 @@ from typing import Any
 
 import yaml
 
-from bridge.data.example import PLACEHOLDERS
-from encoders.api import TOWERS, encoder_config_problems, import_modules
-from encoders.registry import lookup
+from bridge.atomic_files import write_text_atomic
+
+# The encoders package (torch, torchvision, the built-in towers) is imported by the functions that
+# build or look up parts, not here: `bridge --help` and `bridge defaults` read the schema without it.
 
 _MISSING = object()
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """`yaml.safe_load` with YAML 1.2's floats. PyYAML follows YAML 1.1, where a float needs a dot
+    and a signed exponent, so `3e-3`, `5E-5` and `1.5e3` would stay strings; whoever writes them in
+    a recipe means numbers, as on the command line. Every other scalar resolves as before."""
+
+
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """Recipe YAML text -> Python data, numbers read as YAML 1.2 reads them (see `_RecipeLoader`)."""
+    return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506  a SafeLoader subclass
 #: bound on echoed values in messages (a recipe value may be huge)
 _ECHO = 120
 #: llm_hidden_size used to check an encoder section when the LLM's is unknown (a broken model key)
@@ -170,6 +191,13 @@ SCHEMA: dict[str, Any] = {
             (str,),
         ),
         "target_field": Field("text", "Row field holding the target text.", (str,)),
+        "truncate": Field(
+            False,
+            "A target longer than the model's context: false refuses the run before it starts, naming "
+            "file:line; true cuts each such target (at a token boundary, EOS kept) so that prompt and "
+            "target fit the context, and says how many were cut.",
+            (bool,),
+        ),
         "num_train": Field(2000, "Synthetic sets: number of training items.", (int,), lo=0, hi=10**7),
         "num_eval": Field(200, "Synthetic sets: number of held-out items.", (int,), lo=0, hi=10**7),
         "options": Field({}, "Synthetic sets: generator options (e.g. image_size).", (dict,), free_form=True),
@@ -422,7 +450,20 @@ def resolve_path(value: str, base_dir: Path | None) -> Path:
     path = Path(os.path.expanduser(value))
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
-    return path.resolve()
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # a symlink loop: kept as written, the existence check names it
+        return Path(os.path.abspath(path))
+
+
+def _not_found(path: Path) -> str:
+    """Why an existing path was expected at `path` and none is there."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"symlink loop (too many levels of symbolic links): {path}"
+    return f"file or directory not found: {path}"
 
 
 def _check_leaf(path: str, field: Field, value: Any, base_dir: Path | None, problems: list[str]) -> Any:
@@ -448,7 +489,7 @@ def _check_leaf(path: str, field: Field, value: Any, base_dir: Path | None, prob
     if field.is_path and value is not None:
         resolved = resolve_path(value, base_dir)
         if field.must_exist and not resolved.exists():
-            problems.append(f"{path}: file or directory not found: {resolved}")
+            problems.append(f"{path}: {_not_found(resolved)}")
         value = str(resolved)
     return copy.deepcopy(value)
 
@@ -544,6 +585,9 @@ def _encoder_modality(cfg: Mapping) -> str | None:
     tower = cfg.get("tower")
     if isinstance(tower, Mapping):
         try:
+            from encoders.api import TOWERS
+            from encoders.registry import lookup
+
             return getattr(lookup(TOWERS, "tower", tower.get("name")), "modality", None)
         except ValueError:
             return None
@@ -553,6 +597,9 @@ def _encoder_modality(cfg: Mapping) -> str | None:
 def _check_encoder(r: Node, problems: list[str]) -> None:
     if not isinstance(r.encoder, Mapping):
         return
+    from bridge.data.example import PLACEHOLDERS
+    from encoders.api import encoder_config_problems
+
     known = _llm_hidden_size(r, problems)
     cfg = copy.deepcopy(dict(r.encoder))
     given = cfg.get("llm_hidden_size")
@@ -604,6 +651,10 @@ def _import_user_modules(r: Node, base_dir: Path | None, problems: list[str]) ->
     if not isinstance(r.imports, list) or not all(isinstance(spec, str) for spec in r.imports):
         problems.append(f"imports: expected module names or .py paths, got {_show(r.imports)}")
         return
+    if not r.imports:
+        return
+    from encoders.api import import_modules
+
     resolved = []
     for i, spec in enumerate(r.imports):
         try:
@@ -642,15 +693,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise RecipeError(f"override {_show(text)}: empty key segment")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = load_yaml(value) if value.strip() else None
     except yaml.YAMLError as exc:
         raise RecipeError(f"override {_show(text)}: value is not valid YAML: {_clip(str(exc))}") from exc
-    # YAML 1.1 reads "1e-3" as a string; a number is what anyone writing it means.
-    if isinstance(parsed, str):
-        try:
-            parsed = float(parsed) if any(c in parsed for c in ".eE") else parsed
-        except ValueError:
-            pass
     return parts, parsed
 
 
@@ -666,7 +711,7 @@ def _is_path_key(parts: Sequence[str]) -> bool:
 
 
 def _absolute(value: Any) -> Any:
-    return str(Path(os.path.expanduser(value)).resolve()) if isinstance(value, str) and value else value
+    return str(resolve_path(value, None)) if isinstance(value, str) and value else value
 
 
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
@@ -697,7 +742,7 @@ def _read_yaml(path: str | os.PathLike) -> dict:
     if not p.is_file():
         raise RecipeError(f"recipe file not found: {p.resolve()}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = load_yaml(p.read_text()) or {}
     except yaml.YAMLError as exc:
         raise RecipeError(f"{p}: not valid YAML: {_clip(str(exc), 300)}") from exc
     if not isinstance(data, dict):
@@ -716,7 +761,7 @@ def load_recipe(path: str | os.PathLike, overrides: Sequence[str] = (), check_en
 
 def dump_recipe(recipe: Mapping, path: str | os.PathLike) -> None:
     data = recipe.to_dict() if isinstance(recipe, Node) else dict(recipe)
-    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(data, sort_keys=False))
 
 
 def default_output_dir(recipe: Mapping) -> Path:

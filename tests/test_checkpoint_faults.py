@@ -196,3 +196,65 @@ def test_damaged_encoder_checkpoint_files_name_the_file(run, name, content, matc
     with pytest.raises(ValueError, match=match) as info:
         load_encoder(folder)
     assert str(path) in str(info.value)
+
+
+def test_every_load_path_verifies_the_manifest_unless_told_not_to(run, capsys):
+    """16 flipped bytes in the encoder's weights: Bridge.from_checkpoint (a run or a checkpoint),
+    the server's loader and `bridge eval` refuse, naming the file; verify=False loads it."""
+    from bridge.api import Bridge
+    from bridge.cli import main
+    from bridge.serve.engine_build import resolve_model
+
+    step = run / "checkpoints" / "step_2"
+    weights = step / "encoder" / "graph" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-16:] = bytes(b ^ 0xFF for b in raw[-16:])
+    weights.write_bytes(bytes(raw))
+    named = f"{weights}: checksum differs from the manifest"
+    for target in (run, step):
+        with pytest.raises(ValueError, match="does not match its manifest") as info:
+            Bridge.from_checkpoint(target, device="cpu")
+        assert named in str(info.value)
+    with pytest.raises(ValueError, match="does not match its manifest"):
+        resolve_model(run)
+    assert main(["eval", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+    loaded = Bridge.from_checkpoint(run, device="cpu", verify=False)
+    assert "graph" in loaded.encoders
+    assert set(resolve_model(run, verify=False).encoders) == {"graph"}
+
+
+def test_half_written_base_model_is_rebuilt_and_the_run_resumes(run, capsys):
+    """A kill just after base_model/config.json appeared (an older Bridge wrote it in place) left it
+    0 bytes: the rerun rebuilds the folder (same seed and words: the same weights, so the
+    checkpoints still fit) instead of failing on it, and resumes."""
+    from bridge.training.components import model_dir_problem
+
+    base = run / "base_model"
+    weights = (base / "model.safetensors").read_bytes()
+    (base / "config.json").write_text("")
+    (base / "model.safetensors").unlink()
+    (run / ".base_model.tmp-999999999").mkdir()  # a killed writer's temp folder
+    summary = Trainer(recipe(*STEPS, "train.max_steps=3"), run).run()
+    assert summary["steps"] == 3 and summary["resumed_from"].endswith("step_2")
+    assert model_dir_problem(base) is None and (base / "model.safetensors").read_bytes() == weights
+    assert not (run / ".base_model.tmp-999999999").exists()
+    said = capsys.readouterr().err
+    assert f"rebuilding {base}: it is incomplete ({base / 'config.json'}: not valid JSON" in said
+
+
+def test_files_a_run_writes_are_replaced_whole_or_not_at_all(tmp_path):
+    from bridge.atomic_files import replacing_dir, write_text_atomic
+
+    target = tmp_path / "base_model"
+    with replacing_dir(target) as tmp:
+        (tmp / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError), replacing_dir(target) as tmp:
+        (tmp / "config.json").write_text("{")  # killed half way: the old folder stays
+        raise RuntimeError("killed")
+    assert (target / "config.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "base_model"]
+    write_text_atomic(tmp_path / "eval.json", "{}")
+    assert (tmp_path / "eval.json").read_text() == "{}" and len(list(tmp_path.iterdir())) == 2

@@ -58,7 +58,9 @@ class JsonlDataset:
             text = self.path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"{self.path}: not UTF-8 text (byte {exc.start})") from None
-        for lineno, line in enumerate(text.splitlines(), start=1):
+        # lines end at "\n" only, as JSONL says: splitlines() would also cut at U+2028 and other
+        # separators that JSON allows inside strings, and misnumber every later line
+        for lineno, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             self.rows.append(self._check_row(line, lineno))

@@ -26,8 +26,9 @@ class LoadedModel:
     name: str
 
 
-def resolve_model(path: str | Path) -> LoadedModel:
-    """A HF model dir as is; a Bridge run or checkpoint dir -> its LLM dir, encoders and dtype."""
+def resolve_model(path: str | Path, verify: bool = True) -> LoadedModel:
+    """A HF model dir as is; a Bridge run or checkpoint dir -> its LLM dir, encoders and dtype (the
+    checkpoint checked against its manifest first unless not `verify`: `--no-verify`)."""
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory (give a Hugging Face model dir or a Bridge "
@@ -37,13 +38,10 @@ def resolve_model(path: str | Path) -> LoadedModel:
     from bridge.training import checkpoint as ckpt_io
     from encoders.api import load_encoder
 
-    directory = path
-    if not (directory / "meta.json").is_file():
-        latest = ckpt_io.latest_checkpoint(directory)
-        if latest is None:
-            raise ValueError(f"{path} has no config.json (not a HF model dir) and no checkpoint "
-                             "(not a Bridge run)")
-        directory = latest
+    if not (path / "meta.json").is_file() and ckpt_io.latest_checkpoint(path) is None:
+        raise ValueError(f"{path} has no config.json (not a HF model dir) and no checkpoint "
+                         "(not a Bridge run)")
+    directory = ckpt_io.open_checkpoint(path, verify=verify)
     meta = ckpt_io.read_meta(directory)
     llm_dir = directory / meta["llm_dir"] if meta["llm_dir"] == "llm" else Path(meta["llm_dir"])
     encoders = {m: load_encoder(directory / "encoder" / m) for m in meta["modalities"]}

@@ -202,7 +202,7 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     outcomes = [out for _, out in connections]
     try:
-        model = resolve_model(args.path)
+        model = resolve_model(args.path, verify=not args.no_verify)
         llm = build_ready_llm(model, args)
     except BaseException as exc:  # noqa: BLE001 - reported to the API process, which exits with it
         logger.exception("the engine could not be built")

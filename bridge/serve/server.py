@@ -57,13 +57,15 @@ def load_server_state(args: argparse.Namespace) -> ServerState:
         engine = EngineProcess(args)
         info = engine.start()
         return server_state(args, engine_process=engine, info=info)
-    model = resolve_model(args.path)
+    model = resolve_model(args.path, verify=not args.no_verify)
     return server_state(args, llm=build_ready_llm(model, args), name=model.name)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The `bridge serve` flags (vLLM's names where vLLM has the flag)."""
     parser.add_argument("path", help="a Hugging Face model dir, or a Bridge run / checkpoint dir")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="serve a Bridge checkpoint even when its files differ from its manifest.json")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")

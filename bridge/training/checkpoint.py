@@ -276,6 +276,32 @@ def resumable_checkpoint(output_dir: str | Path) -> Path | None:
     return None
 
 
+def open_checkpoint(directory: str | Path, verify: bool = True) -> Path:
+    """The checkpoint a load path reads: `directory` itself (a step_N folder), or a run folder's
+    newest checkpoint. With `verify`, its files are checked against its manifest first and a
+    mismatch is a ValueError naming each file that differs; a checkpoint without a manifest (an
+    older Bridge wrote it) loads with a CheckpointWarning. Unlike resuming, loading never falls
+    back to an older checkpoint: what was asked for is what is served, or an error."""
+    directory = Path(directory)
+    if not (directory / "meta.json").is_file():
+        latest = latest_checkpoint(directory)
+        if latest is None:
+            raise ValueError(f"{directory} is neither a checkpoint (no meta.json) nor a run dir with one")
+        directory = latest
+    if not verify:
+        return directory
+    if not (directory / MANIFEST_NAME).exists():
+        warnings.warn(f"{directory} has no {MANIFEST_NAME} (an older Bridge wrote it): loading it unverified",
+                      CheckpointWarning, stacklevel=2)
+        return directory
+    problems = verify_checkpoint(directory)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ValueError(f"checkpoint {directory} does not match its manifest: {shown} (verify=False, "
+                         f"or --no-verify on the command line, loads it anyway)")
+    return directory
+
+
 # ----------------------------------------------------------------------------- leftovers of killed runs
 
 

@@ -7,11 +7,13 @@ Shared by the trainer and by `Bridge.from_recipe`, so both see the same LLM and 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bridge.atomic_files import remove_stale_temps, replacing_dir
 from bridge.dtypes import DTYPES
 from bridge.training.lora import apply_lora
 from encoders.api import build_encoder
@@ -22,25 +24,58 @@ def dataset_vocab_words(dataset) -> list[str]:
     return list(words()) if callable(words) else []
 
 
-def prepare_llm_dir(recipe, output_dir: str | Path, vocab_words: list[str], build: bool = True) -> Path:
+def model_dir_problem(path: Path) -> str | None:
+    """Why `path` is not a complete model folder (None when it is): config.json, tokenizer files
+    and weights present and whole (`check_model_files` reads their headers)."""
+    from runner.worker.model_files import check_model_files
+
+    if not path.is_dir():
+        return "missing"
+    try:
+        check_model_files(str(path))
+    except ValueError as exc:
+        return str(exc)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not (path / name).is_file():
+            return f"{path / name}: missing"
+    if not any(path.glob("*.safetensors")):
+        return f"{path}: no *.safetensors weights"
+    return None
+
+
+def prepare_llm_dir(recipe, output_dir: str | Path, vocab_words: list[str], build: bool = True,
+                    say: Callable[[str], None] | None = None) -> Path:
     """The local HF dir of the base LLM: `model.path`, or the tiny model built into
     OUTPUT/base_model (vocab_words defaults to the dataset's target words). `build=False` only
-    computes the path (other ranks wait for rank 0 to build it)."""
+    computes the path (other ranks wait for rank 0 to build it).
+
+    The tiny model is written into a temp folder renamed into place when complete, so a run killed
+    while writing it leaves no base_model. One left half-written by an older Bridge (a 0-byte
+    config.json, missing weights) is rebuilt, not reused: the same seed and words give the same
+    weights, so checkpoints made on the first one still fit. `say` reports the rebuild."""
     if recipe.model.path:
         return Path(recipe.model.path)
     target = Path(output_dir) / "base_model"
-    if build and not (target / "config.json").is_file():
-        from bridge.tiny_models import build_tiny_model
+    if not build:
+        return target
+    remove_stale_temps(target)
+    problem = model_dir_problem(target)
+    if problem is None:
+        return target
+    if problem != "missing" and say is not None:
+        say(f"rebuilding {target}: it is incomplete ({problem[:300]}); a run was stopped while writing it")
+    from bridge.tiny_models import build_tiny_model
 
-        kwargs = copy.deepcopy(dict(recipe.model.tiny))
-        kwargs.setdefault("vocab_words", vocab_words)
-        kwargs.setdefault("seed", recipe.seed)
-        if "dtype" in kwargs:
-            kwargs["dtype"] = DTYPES[kwargs["dtype"]]
-        try:
-            build_tiny_model(target, **kwargs)
-        except TypeError as exc:
-            raise ValueError(f"model.tiny: {exc}") from exc
+    kwargs = copy.deepcopy(dict(recipe.model.tiny))
+    kwargs.setdefault("vocab_words", vocab_words)
+    kwargs.setdefault("seed", recipe.seed)
+    if "dtype" in kwargs:
+        kwargs["dtype"] = DTYPES[kwargs["dtype"]]
+    try:
+        with replacing_dir(target) as tmp:
+            build_tiny_model(tmp, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"model.tiny: {exc}") from exc
     return target
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from bridge.api import Bridge
+from bridge.atomic_files import write_text_atomic
 from bridge.data.example import normalize_text
 
 
@@ -56,12 +57,13 @@ def evaluate_checkpoint(
     device: torch.device,
     out_path: str | Path | None = None,
     backend: Any = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """`backend` (else the recipe's `eval.backend`): a vLLM-compatible server's URL to generate on;
-    the encoders run here either way."""
+    the encoders run here either way. `verify`: check the checkpoint against its manifest first."""
     backend = backend if backend is not None else eval_cfg.get("backend")
     bridge = Bridge.from_checkpoint(
-        ckpt, device=device, enforce_eager=eval_cfg.enforce_eager, backend=backend
+        ckpt, device=device, enforce_eager=eval_cfg.enforce_eager, backend=backend, verify=verify
     )
     try:
         report = evaluate_bridge(
@@ -78,5 +80,5 @@ def evaluate_checkpoint(
     if backend is not None:
         report["backend"] = backend if isinstance(backend, str) else repr(backend)
     if out_path is not None:
-        Path(out_path).write_text(json.dumps(report, indent=2))
+        write_text_atomic(out_path, json.dumps(report, indent=2))
     return report

@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the display-free backend)
 
+from bridge.atomic_files import replacing
+
 
 def read_metrics(path: str | Path) -> list[dict]:
     """Rows of metrics.jsonl; a partial last line (a run killed mid-write) is skipped."""
@@ -64,6 +66,7 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "") -
     ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
     ax.set_title(title or "training loss")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    with replacing(png_path) as tmp:  # a kill mid-write leaves the previous plot, not half of one
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return Path(png_path)

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -37,8 +36,10 @@ from bridge.recipe import (
     describe_change,
     dump_recipe,
     frozen_changes,
+    load_yaml,
     recipe_changes,
 )
+from bridge.run_check import model_context
 from bridge.training import checkpoint as ckpt_io
 from bridge.training.batching import collate_examples
 from bridge.training.components import (
@@ -59,6 +60,7 @@ from bridge.training.distributed import (
     shutdown,
 )
 from bridge.training.evaluate import evaluate_checkpoint
+from bridge.training.fit_context import FitToContext
 from bridge.training.fsdp import (
     FullState,
     gather_full_state,
@@ -136,7 +138,7 @@ class Trainer:
 
         self.train_set, self.eval_set = build_datasets(recipe.data, recipe.seed)
         words = dataset_vocab_words(self.train_set)
-        self.base_llm_dir = prepare_llm_dir(recipe, self.output_dir, words, build=self.dist.is_main)
+        self.base_llm_dir = prepare_llm_dir(recipe, self.output_dir, words, build=self.dist.is_main, say=_say)
         barrier(self.dist)
         self.llm, self.tokenizer = load_llm(self.base_llm_dir, recipe.model.dtype)
         encoder = build_recipe_encoder(recipe, self.llm.config.hidden_size)
@@ -152,6 +154,8 @@ class Trainer:
                 )
             self.model.tower_cache = {}
         self.encoders = {encoder.modality: encoder}
+        if recipe.data.truncate:
+            self._fit_to_context()
         self.wrapper = resolve_wrapper(recipe.train.distributed, self.plan.llm_full, self.dist)
         if recipe.train.mixed_precision != "none" and self.wrapper != "fsdp":
             raise ValueError(
@@ -216,6 +220,16 @@ class Trainer:
             if last is not None:
                 self._load_checkpoint(last)
         self.train_module: torch.nn.Module = wrap_for_training(self.model, self.wrapper, self.device)
+
+    def _fit_to_context(self) -> None:
+        """data.truncate: the datasets' targets cut to fit the LLM's context (fit_context.py)."""
+        context = model_context(self.llm.config.to_dict())
+        if context is None:
+            return
+        num_rows = {m: enc.num_rows for m, enc in self.encoders.items()}
+        self.train_set = FitToContext(self.train_set, self.tokenizer, num_rows, context)
+        if self.eval_set is not None:
+            self.eval_set = FitToContext(self.eval_set, self.tokenizer, num_rows, context)
 
     # ------------------------------------------------------------------ counts
     def trainable_counts(self) -> dict[str, int]:
@@ -387,8 +401,8 @@ class Trainer:
         if self.dist.is_main and eval_json.is_file():
             summary["eval"] = json.loads(eval_json.read_text())
         elif self.dist.is_main and self.recipe.eval.enabled and self.eval_set is not None:
-            summary["eval"] = evaluate_checkpoint(
-                last, self.eval_set, self.recipe.eval, self.device, eval_json
+            summary["eval"] = evaluate_checkpoint(  # verified when the run resumed from it
+                last, self.eval_set, self.recipe.eval, self.device, eval_json, verify=False
             )
         barrier(self.dist)
         summary.update(self._artifacts(), elapsed_s=round(time.perf_counter() - t0, 2))
@@ -466,8 +480,9 @@ class Trainer:
         if self.dist.is_main:
             plot_loss(metrics_path, self.output_dir / "loss.png", title=self.recipe.name)
             if self.recipe.eval.enabled and self.eval_set is not None:
-                summary["eval"] = evaluate_checkpoint(
-                    final, self.eval_set, self.recipe.eval, self.device, self.output_dir / "eval.json"
+                summary["eval"] = evaluate_checkpoint(  # hashed into its manifest by this process
+                    final, self.eval_set, self.recipe.eval, self.device, self.output_dir / "eval.json",
+                    verify=False,
                 )
         barrier(self.dist)
         summary.update(self._artifacts(), elapsed_s=round(time.perf_counter() - t0, 2))
@@ -567,7 +582,7 @@ def check_resume(recipe: Node, output_dir: str | Path, force: bool = False) -> l
     saved = last / "recipe.yaml" if last is not None else None
     if saved is None or not saved.is_file():
         return []
-    old = yaml.safe_load(saved.read_text()) or {}
+    old = load_yaml(saved.read_text()) or {}
     changes = recipe_changes(old, recipe.to_dict())
     lines = [describe_change(*c) for c in changes]
     frozen = frozen_changes(changes)
