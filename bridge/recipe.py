@@ -295,11 +295,12 @@ SCHEMA: dict[str, Any] = {
             (bool,),
         ),
         "compile": Field(
-            False,
+            None,
             "torch.compile each decoder layer's forward (fuses the norms, rotary embedding and "
             "activation kernels). The first steps pay the compilation, and a new packed length once "
-            "more: worth it on long runs.",
-            (bool,),
+            "more. null: on when training on CUDA (where eager elementwise kernels are a large share "
+            "of the step, see benchmarks/train_scale.py), off on the CPU.",
+            (bool, type(None)),
         ),
         "cpu_threads": Field(
             0,

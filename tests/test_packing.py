@@ -158,7 +158,7 @@ def test_packing_keys_are_validated():
         recipe("train.packing=3")
     r = recipe()
     assert r.train.packing is None and r.train.pack_length is None
-    assert r.train.activation_checkpointing is False and r.train.compile is False
+    assert r.train.activation_checkpointing is False and r.train.compile is None  # on on CUDA, off on CPU
 
 
 def test_fsdp_on_one_rank_follows_the_plain_run(tmp_path):

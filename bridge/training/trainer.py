@@ -169,7 +169,7 @@ class Trainer:
         apply_layer_options(
             self.llm,
             activation_checkpointing=recipe.train.activation_checkpointing,
-            compile=recipe.train.compile,
+            compile=self.device.type == "cuda" if recipe.train.compile is None else recipe.train.compile,
         )
 
         tr = recipe.train
