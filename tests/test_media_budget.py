@@ -9,11 +9,11 @@ import io
 import json
 import struct
 import wave
-import zlib
 
 import numpy as np
 import pytest
 import torch
+from helpers import png_header
 
 from encoders.audio_inputs import (
     MAX_RESAMPLE_KERNEL_VALUES,
@@ -29,18 +29,6 @@ from encoders.media_budget import MediaBudget, MediaLimits
 from encoders.vision_inputs import image_size
 
 FORGED_RATES = [100_000_007, 2_147_483_647]
-
-
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A PNG that declares `width` x `height` and holds a few bytes of pixels: PIL's lazy open reads
-    its size; decoding it would allocate the full image and then fail."""
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(b"\x00" * 16))
-            + _chunk(b"IEND", b""))
 
 
 def wav_bytes(rate: int, frames: int = 8000, channels: int = 1) -> bytes:
