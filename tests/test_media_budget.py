@@ -69,6 +69,19 @@ def test_a_rate_sharing_no_factor_with_the_towers_is_refused_before_its_filter_i
     assert kernel.numel() == resample_kernel_values(22050, 16000)
 
 
+@pytest.mark.parametrize("rates", [(48000, 16000), (44100, 16000), (8000, 16000), (96000, 16000)])
+def test_resampling_in_chunks_equals_torchaudio(rates, monkeypatch):
+    import torchaudio.functional as AF
+
+    from encoders import audio_inputs
+
+    monkeypatch.setattr(audio_inputs, "RESAMPLE_CHUNK_BLOCKS", 1000)  # many chunks, a partial last one
+    wave_ = torch.randn(123_457, generator=torch.Generator().manual_seed(0))
+    got, want = audio_inputs.resample(wave_, *rates), AF.resample(wave_, *rates)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
 def test_a_header_claiming_more_frames_than_the_file_holds_is_capped(tmp_path):
     raw = bytearray(wav_bytes(16000, frames=100))
     raw[40:44] = struct.pack("<I", 0xFFFFFFFF)  # the data chunk's size: a streamed or forged WAV
