@@ -16,7 +16,8 @@ over the processes of peak RSS after the answer minus RSS before. It is compared
 
     python3 benchmarks/serve_memory.py                       # CPU; the engine in its own process, as on a GPU
     python3 benchmarks/serve_memory.py --smoke               # limits / 16: a quick check of the script
-    python3 benchmarks/serve_memory.py --no-engine-process   # the CPU server's default layout
+    python3 benchmarks/serve_memory.py --no-engine-process   # the CPU default layout: one process,
+                                                             # its growth reported, not judged
 
 Linux only (it reads `/proc`).
 """
@@ -281,7 +282,9 @@ def main() -> int:
         refuse a request whose items expand past the context, after the media were decoded)."""
         status, api, engine = measure(server.proc.pid, lambda: server.post(path, body))
         budget = BUDGET_FIXED + (BUDGET_BYTES[unit] * amount if unit else 0)
-        within = api <= budget and status == (want or status)
+        # With the engine in the API process, its growth holds the encoder's working memory too: the
+        # budget (the API process's own work) is judged only where the two are apart.
+        within = (api <= budget or not args.engine_process) and status == (want or status)
         rows.append({"case": case, "status": status, "expected_status": want, "body_mb": len(body) / MB,
                      "api_growth_mb": api / MB, "engine_growth_mb": engine / MB, "api_budget_mb": budget / MB,
                      "within": within})

@@ -64,9 +64,12 @@ def check_prompt_bytes(text: str, where: str, limits: ServeLimits, *, before: in
     cap = limits.max_prompt_bytes
     if cap is None:
         return before
-    total = before + (len(text) if len(text) > cap else len(text.encode("utf-8", "surrogatepass")))
+    # a character is at least one byte: a text of more characters than the cap is refused uncounted
+    at_least = len(text) > cap
+    total = before + (len(text) if at_least else len(text.encode("utf-8", "surrogatepass")))
     if total > cap:
-        raise ApiError(400, f"{where}: {total} bytes of prompt text are over this server's limit of {cap} "
+        size = f"at least {total}" if at_least else str(total)
+        raise ApiError(400, f"{where}: {size} bytes of prompt text are over this server's limit of {cap} "
                        "bytes (--max-prompt-bytes; by default the context length times the tokenizer's "
                        "longest token, so no longer prompt can fit)", param=where)
     return total
