@@ -33,6 +33,7 @@ from bridge.data.tokenize import TokenizedPrompt, tokenize_prompt
 from bridge.dtypes import DTYPES
 from bridge.recipe import default_output_dir, load_recipe
 from encoders.api import load_encoder
+from encoders.media_budget import MediaBudget, MediaLimits
 
 _MEDIA_KEYS = tuple(PLACEHOLDERS.values())
 #: the prompt text's key (the runner's name) and its accepted alias
@@ -113,10 +114,12 @@ class Bridge:
         enforce_eager: bool = False,
         backend: Any = None,
         model_names: Sequence[str | Path] = (),
+        media_limits: MediaLimits | None = None,
     ):
         """`backend`: None / "local" (the in-process runner.LLM), an http(s) URL of a vLLM-compatible
         server (bridge.backends.RemoteBackend), or a backend object. `model_names`: other names the
-        base LLM goes by, for the remote server's model check."""
+        base LLM goes by, for the remote server's model check. `media_limits` (the attribute of the
+        same name): what one prompt's media may add up to, checked from headers before decoding."""
         from transformers import AutoTokenizer
 
         self.llm_dir = Path(llm_dir)
@@ -129,6 +132,7 @@ class Bridge:
         )
         self.dtype = dtype
         self.enforce_eager = enforce_eager
+        self.media_limits = media_limits or MediaLimits()
         self.encoders = {m: enc.to(self.device).eval() for m, enc in encoders.items()}
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.llm_dir))
         self._embed_table = load_input_embeddings(self.llm_dir).to(self.device, DTYPES[dtype])
@@ -248,11 +252,25 @@ class Bridge:
             {m: enc.num_rows for m, enc in self.encoders.items()},
         )
 
+    def check_media(self, example: Example, where: str = "prompt") -> None:
+        """Refuse a prompt whose media add up to more than `media_limits` (pixels, samples at the
+        encoder's rate and as stored, graph nodes and edges, items), read from headers and declared
+        sizes before anything is decoded; a sample rate the encoder cannot resample to is refused too."""
+        budget = MediaBudget(self.media_limits, scope="prompt",
+                             knob=lambda name: f"Bridge.media_limits.{name}")
+        for modality, items in example.media.items():
+            rate = getattr(getattr(self.encoders.get(modality), "tower", None), "sample_rate", None)
+            for k, item in enumerate(items):
+                budget.add(modality, item, f"{where}: {modality} item {k}",
+                           target_rate=rate if isinstance(rate, int) else None)
+
     @torch.no_grad()
     def build_requests(self, prompts: Sequence[Any], encode_batch_size: int = 64) -> list[dict]:
         """Prompt dicts -> runner requests {"prompt_embeds", "prompt_is_token_ids", "prompt_token_ids"},
         tensors on this Bridge's device. Encoders run batched across prompts."""
         examples = [_as_example(p) for p in prompts]
+        for i, ex in enumerate(examples):
+            self.check_media(ex, f"prompt {i}")
         tokenized = [self.tokenize(ex) for ex in examples]
         rows: dict[str, list[torch.Tensor]] = {}
         for mod, enc in self.encoders.items():

@@ -36,6 +36,7 @@ from encoders.encoder import (
 )
 from encoders.graph_format import Graph, graph_from_dict, graph_to_dict, load_graph_json, save_graph_json
 from encoders.hashing import content_hash
+from encoders.media_budget import MediaBudget, MediaLimits
 from encoders.parts import Projector, Tower
 from encoders.projectors import stack_frames
 from encoders.registry import (
@@ -56,6 +57,8 @@ __all__ = [
     "TOWERS",
     "Encoder",
     "Graph",
+    "MediaBudget",
+    "MediaLimits",
     "Projector",
     "Tower",
     "build_encoder",

@@ -65,6 +65,24 @@ def _number_rows(rows: Any, count: int, what: str, source: str) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
+def _check_num_nodes(n: Any, source: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{source}: num_nodes must be an integer >= 1, got {str(n)[:40]}")
+    return n
+
+
+def graph_size(item: Any, source: str = "graph") -> tuple[int, int]:
+    """(nodes, edges) a graph item declares, read before anything is built from it: a dict's
+    `num_nodes` and its edge list's length (checked again in full by `graph_from_dict`)."""
+    if isinstance(item, Graph):
+        return item.num_nodes, item.num_edges
+    if isinstance(item, dict):
+        edges = item.get("edges")
+        return _check_num_nodes(item.get("num_nodes"), source), len(edges) if isinstance(edges, list) else 0
+    g = to_graph(item)
+    return g.num_nodes, g.num_edges
+
+
 def graph_from_dict(data: Any, source: str = "graph") -> Graph:
     """Validate a dict in the JSON graph format and build a ``Graph``; errors name the bad field."""
     if not isinstance(data, dict):
@@ -75,9 +93,7 @@ def graph_from_dict(data: Any, source: str = "graph") -> Graph:
     for key in ("num_nodes", "edges"):
         if key not in data:
             raise ValueError(f"{source}: missing required key {key!r}")
-    n = data["num_nodes"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{source}: num_nodes must be an integer >= 1, got {n!r}")
+    n = _check_num_nodes(data["num_nodes"], source)
     edges = data["edges"]
     if not isinstance(edges, list):
         raise ValueError(f"{source}: edges must be a list of [u, v] pairs, got {type(edges).__name__}")

@@ -44,6 +44,34 @@ def load_image(item: Any) -> Image.Image:
     return image.convert("RGB") if image.mode != "RGB" else image
 
 
+def image_size(item: Any) -> tuple[int, int]:
+    """(width, height) of any accepted image item, without decoding pixels: a file or encoded bytes
+    are opened lazily (PIL reads the header only), arrays and tensors give their shape."""
+    if isinstance(item, Image.Image):
+        return item.size
+    if isinstance(item, np.ndarray):
+        if item.ndim not in (2, 3):
+            raise ValueError(f"image array must be (H, W) or (H, W, 1|3|4), got shape {item.shape}")
+        return int(item.shape[1]), int(item.shape[0])
+    if isinstance(item, torch.Tensor):
+        if item.dim() != 3:
+            raise ValueError(f"image tensor must be (3, H, W) or (1, H, W), got {tuple(item.shape)}")
+        return int(item.shape[2]), int(item.shape[1])
+    if isinstance(item, (str, Path)):
+        if not Path(item).is_file():
+            raise ValueError(f"image file {item} does not exist")
+        source: Any = str(item)
+    elif isinstance(item, (bytes, bytearray)):
+        source = io.BytesIO(item)
+    else:
+        return load_image(item).size  # refuses the type with load_image's own message
+    try:
+        with Image.open(source) as img:
+            return img.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise ValueError(f"not a readable image ({type(err).__name__}: {str(err)[:100]})") from None
+
+
 def _to_uint8(array: np.ndarray) -> np.ndarray:
     if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (1, 3, 4)):
         raise ValueError(f"image array must be (H, W) or (H, W, 1|3|4), got shape {array.shape}")

@@ -57,6 +57,7 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # what went wrong, with finish_reason "error"
 
 
 class GenerationError(ValueError):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import struct
 import subprocess
 import sys
+import zlib
 
 import pytest
 
@@ -145,3 +147,15 @@ def greedy_token_ids(llm, prompts, params) -> list[list[int]]:
     """The output token ids of `llm` for token-id `prompts`, in order."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that declares `width` x `height` and holds a few bytes of pixels: PIL's lazy open reads
+    its size; decoding it would allocate the full image and then fail."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(b"\x00" * 16))
+            + _chunk(b"IEND", b""))

@@ -26,6 +26,7 @@ from typing import Any
 
 from bridge.data.example import PLACEHOLDERS, Example, check_media_matches_prompt, render_prompt
 from bridge.data.media import MEDIA_SUFFIXES, check_media_header, decode_fully, load_media
+from encoders.media_budget import MediaBudget, MediaLimits
 
 MEDIA_KEYS = tuple(PLACEHOLDERS.values())
 _SHOWN = 120  # characters of a row's value quoted in an error
@@ -44,8 +45,11 @@ class JsonlDataset:
         prompt: str,
         target_field: str = "text",
         media_root: str | Path | None = None,
+        media_limits: MediaLimits | None = None,
     ):
+        """`media_limits`: what one row's media may add up to (pixels, samples, nodes), from headers."""
         self.path = Path(path)
+        self.media_limits = media_limits or MediaLimits()
         if not self.path.is_file():
             raise ValueError(f"data file not found: {self.path}")
         self.prompt = prompt
@@ -89,11 +93,12 @@ class JsonlDataset:
             check_media_matches_prompt(prompt, media)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+        budget = MediaBudget(self.media_limits, scope="row")
         for mod, rels in media.items():
             for rel in rels:
                 file = self.media_root / rel
                 try:
-                    check_media_header(mod, file)
+                    check_media_header(mod, file, budget)
                 except ValueError as exc:
                     raise ValueError(f"{where}: {mod} file {file}: {exc}") from None
         return row

@@ -3,36 +3,48 @@
 `check_media_header` reads only what is cheap (an image's header, a WAV's header, a graph's
 small JSON, fully validated) so that a whole data set can be checked before training starts;
 `load_media` decodes the item. Both raise ValueError saying what is wrong with the file; the
-data set adds where the file is named (file:line).
+data set adds where the file is named (file:line). Given a `MediaBudget` (one per data row), the header
+check also adds the item's pixels, samples or nodes to it, so a row whose media would take more memory
+than `MediaLimits` allows is refused at load, before a loader worker decodes it.
 """
 
 from __future__ import annotations
 
 import json
-import wave
 from pathlib import Path
 from typing import Any
 
+from encoders.audio_inputs import wav_header
 from encoders.graph_format import graph_from_dict
+from encoders.media_budget import MediaBudget
 
 #: file suffixes that mark a row value as a media path (for "unknown media key" errors)
 MEDIA_SUFFIXES = frozenset(
     {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff", ".wav", ".flac", ".mp3", ".ogg",
      ".json"}
 )
-_WAV_WIDTHS = (1, 2, 4)  # sample widths the audio towers read (encoders.audio_inputs.load_wav)
 
 
-def check_media_header(modality: str, path: Path) -> None:
-    """Cheap validity check of one media file (no pixel or sample decoding)."""
+def check_media_header(modality: str, path: Path, budget: MediaBudget | None = None) -> None:
+    """Cheap validity check of one media file (no pixel or sample decoding); its size counted in
+    `budget` when given."""
     if not path.is_file():
         raise ValueError("file not found")
     if modality == "image":
-        _check_image_header(path)
+        width, height = _check_image_header(path)
+        if budget is not None:
+            budget.add_item("")
+            budget.add_image(width, height, "")
     elif modality == "audio":
-        _check_wav_header(path)
+        frames, channels, rate = _check_wav_header(path)
+        if budget is not None:
+            budget.add_item("")
+            budget.add_audio(frames, channels, rate, None, "")
     elif modality == "graph":
-        _read_graph(path)
+        graph = _read_graph(path)
+        if budget is not None:
+            budget.add_item("")
+            budget.add_graph(graph["num_nodes"], len(graph["edges"]), "")
     else:
         raise ValueError(f"unknown media modality {modality!r}")
 
@@ -78,7 +90,7 @@ def _why(err: BaseException) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _check_image_header(path: Path) -> None:
+def _check_image_header(path: Path) -> tuple[int, int]:
     from PIL import Image
 
     try:
@@ -88,23 +100,19 @@ def _check_image_header(path: Path) -> None:
         raise ValueError(f"not a readable image ({_why(err)})") from None
     if width < 1 or height < 1:
         raise ValueError(f"image has size {width}x{height}")
+    return width, height
 
 
-def _check_wav_header(path: Path) -> None:
+def _check_wav_header(path: Path) -> tuple[int, int, int]:
+    """(frames, channels, rate) from the header, with the encoders' own checks (width, channels, a rate
+    no recording has); a WAV holding no samples is refused."""
     try:
-        with wave.open(str(path), "rb") as f:
-            channels, width = f.getnchannels(), f.getsampwidth()
-            rate, frames = f.getframerate(), f.getnframes()
-    except (wave.Error, EOFError, OSError, ValueError) as err:
-        raise ValueError(f"not a readable PCM WAV file ({_why(err)})") from None
-    if rate <= 0:
-        raise ValueError(f"the WAV header says sample rate {rate}")
-    if channels < 1:
-        raise ValueError(f"the WAV header says {channels} channels")
-    if width not in _WAV_WIDTHS:
-        raise ValueError(f"the WAV header says {width * 8}-bit samples; the audio towers read 8, 16 or 32")
-    if frames < 1:
+        header = wav_header(path)
+    except (ValueError, OSError) as err:
+        raise ValueError(_why(err)) from None
+    if header.frames < 1:
         raise ValueError("the WAV header says it holds no samples")
+    return header.frames, header.channels, header.rate
 
 
 def _read_graph(path: Path) -> dict:

@@ -95,7 +95,7 @@ def api_server_main(index: int, args: argparse.Namespace, link: EngineLink, sock
     finally:
         if pool is not None:
             close_pool(pool)
-    server = graceful_server(uvicorn_config(build_app(state), args))
+    server = graceful_server(uvicorn_config(build_app(state), args), drain=state.drain)
     if stopping.is_set():
         server.should_exit = True  # a signal came while the app was being built: start, then stop
     server.run(sockets=[sock])

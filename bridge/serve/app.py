@@ -1,9 +1,10 @@
 """The FastAPI application: routes that validate, submit, stream and abort; nothing here runs the model.
 
 `build_app(server)` wires a loaded `ServerState` (the engine, its loop task, limits, metrics, chat
-renderer) into routes; the app's lifespan starts the engine loop and, on shutdown (uvicorn stops
-accepting connections on SIGTERM and waits for open ones first), lets live requests finish within
-the drain timeout, aborts the rest and frees the engine.
+renderer) into routes; the app's lifespan starts the engine loop, and at its shutdown frees the engine.
+Draining comes first: `ServerState.drain`, which the server runs as soon as a SIGTERM's shutdown
+starts (`uvicorn_server.py`), lets live requests finish within the drain timeout and ends the rest,
+each stream with an error event and `[DONE]`.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class ServerState:
                                          metrics=self.metrics, arrivals=self.arrivals, on_finish=on_finish)
         self.token_text = TokenText(self.tokenizer)
 
+    async def drain(self) -> None:
+        """The start of a shutdown: running requests get `drain_timeout_s`, then each left is ended."""
+        await self.loop.drain(self.drain_timeout_s)
+
 
 def build_app(state: ServerState) -> Guards:
     """The ASGI app to hand uvicorn (FastAPI behind the guards middleware)."""
@@ -155,7 +160,7 @@ def build_app(state: ServerState) -> Guards:
         check_model(body.model)
         prompts = await completion_prompts(body, hidden_size=state.hidden_size,
                                            max_model_len=state.max_model_len, limits=state.limits,
-                                           metrics=state.metrics,
+                                           metrics=state.metrics, tokenizer=state.tokenizer,
                                            decoded=getattr(raw.state, "prompt_embeds", None))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = samples_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=state.limits)

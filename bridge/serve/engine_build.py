@@ -26,6 +26,16 @@ class LoadedModel:
     name: str
 
 
+def audio_sample_rates(encoders: dict[str, Any]) -> dict[str, int]:
+    """The rate each audio encoder reads, by modality (its tower's `sample_rate`)."""
+    rates = {}
+    for modality, encoder in encoders.items():
+        rate = getattr(getattr(encoder, "tower", None), "sample_rate", None)
+        if modality == "audio" and isinstance(rate, int) and rate > 0:
+            rates[modality] = rate
+    return rates
+
+
 def resolve_model(path: str | Path, verify: bool = True) -> LoadedModel:
     """A HF model dir as is; a Bridge run or checkpoint dir -> its LLM dir, encoders and dtype (the
     checkpoint checked against its manifest first unless not `verify`: `--no-verify`)."""

@@ -384,8 +384,11 @@ class EngineFront:
         self.metrics.set_snapshot(result.snapshot, len(self._live))
 
     # ----------------------------------------------------------------------------- shutdown
-    async def stop(self, timeout: float) -> None:
-        """Refuse new work, let live requests finish for up to `timeout` s, abort the rest, end the task."""
+    async def drain(self, timeout: float) -> None:
+        """Refuse new work and let live requests finish for up to `timeout` s; then end each one that is
+        left with `ShuttingDown` (a stream gets an error event and `[DONE]`, a waiting client a 503) and
+        abort it in the engine. The server calls this as soon as a shutdown starts, so every stream is
+        ended here, before the HTTP server stops waiting for its connections."""
         self._stopping = True
         deadline = time.monotonic() + timeout
         while self._live and time.monotonic() < deadline and self.healthy:
@@ -397,6 +400,10 @@ class EngineFront:
                 if queue is not None:
                     queue.put_nowait(ShuttingDown())
             self.abort(list(self._live))
+
+    async def stop(self, timeout: float) -> None:
+        """`drain` (at once if it ran already), then end the task."""
+        await self.drain(timeout)
         self._wake_up()
         if self._task is not None:
             try:

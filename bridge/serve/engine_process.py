@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from bridge.serve.arrivals import Arrivals
-from bridge.serve.engine_build import build_ready_llm, resolve_model
+from bridge.serve.engine_build import audio_sample_rates, build_ready_llm, resolve_model
 from bridge.serve.engine_loop import EngineFront, EngineTicker, Submission, TickOutcome
 from bridge.serve.metrics import EngineSnapshot, ServeMetrics
 from runner.multimodal.placeholders import placeholder_token
@@ -63,6 +63,7 @@ class EngineInfo:
     placeholders: dict[str, str]  # modality -> placeholder token text, per registered encoder
     snapshot: EngineSnapshot
     model_name: str
+    sample_rates: dict[str, int] = dataclasses.field(default_factory=dict)  # the audio encoders' rates
 
 
 class _TensorPickler(pickle.Pickler):
@@ -211,7 +212,8 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
     ticker = EngineTicker(llm, arrival_decode_window=args.arrival_decode_window)
     placeholders = {m: placeholder_token(m, enc) for m, enc in llm.mm.encoders.items()}
     _send(status, ("ready", EngineInfo(str(model.llm_dir), llm.hidden_size, llm.max_model_len,
-                                       llm.device.type, placeholders, ticker.snapshot(), model.name)))
+                                       llm.device.type, placeholders, ticker.snapshot(), model.name,
+                                       audio_sample_rates(dict(llm.mm.encoders)))))
     status.close()
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     for owner, (requests, _) in enumerate(connections):

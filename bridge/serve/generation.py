@@ -5,6 +5,11 @@ logprobs, finish reasons, per-token timing for the latency histograms) and turns
 completion / chat bodies or server-sent-event chunks. A client that goes away (the stream's
 generator is closed, or the non-streaming wait is cancelled) aborts every request it still has
 in the engine, which frees their KV blocks and slots before the next step.
+
+A request that fails while running (an encoder raised on one of its items) finishes with
+`finish_reason: "error"`, and the reason always reaches the client: as the choice's `stop_reason`, as an
+error event after its last chunk in a stream, and, when every choice of a request failed, as the status
+of a non-streaming answer (500 with the message).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 from fastapi import Request
 
 from bridge.serve.engine_loop import EngineFailed, EngineFront, QueueFull, ShuttingDown
-from bridge.serve.errors import ApiError
+from bridge.serve.errors import ApiError, bounded
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.protocol import (
     ChatChoice,
@@ -48,6 +53,7 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why it failed, with finish_reason "error"
     last_time: float | None = None
     detokenizer: IncrementalDetokenizer | None = None
 
@@ -157,7 +163,8 @@ class Generation:
             choice.logprobs += delta.new_logprobs
         if delta.finished:
             choice.finish_reason = delta.finish_reason
-            choice.stop_reason = delta.stop_reason
+            choice.stop_reason = _stop_reason(delta)
+            choice.error = _failure(delta)
             self.num_finished += 1
             self.metrics.e2e.observe(now - self.arrival)
         return choice, text
@@ -174,6 +181,8 @@ class Generation:
                 waiter.cancel()
                 self.abort()
         waiter.result()  # re-raises ApiError from the engine side
+        if self.choices and all(c.error is not None for c in self.choices):
+            raise ApiError(500, self.choices[0].error)
 
     async def _drain(self) -> None:
         async for _ in self.deltas():
@@ -225,7 +234,7 @@ class Generation:
                      "choices": [{"index": choice.index, "text": text,
                                   "logprobs": None if lp is None else lp.model_dump(),
                                   "finish_reason": delta.finish_reason if delta.finished else None,
-                                  "stop_reason": delta.stop_reason if delta.finished else None}]}
+                                  "stop_reason": _stop_reason(delta) if delta.finished else None}]}
             if return_token_ids:
                 chunk["choices"][0]["token_ids"] = list(delta.new_token_ids)
             if include_usage:
@@ -281,7 +290,7 @@ class Generation:
             yield chunk(choice.index, content,
                         logprobs=None if lp is None else lp.model_dump(),
                         finish_reason=delta.finish_reason if delta.finished else None,
-                        stop_reason=delta.stop_reason if delta.finished else None)
+                        stop_reason=_stop_reason(delta) if delta.finished else None)
         if include_usage and self.done:
             yield _sse({"id": self.base_id, "object": "chat.completion.chunk", "created": self.created,
                         "model": self.model, "choices": [], "usage": self.usage().model_dump()})
@@ -293,6 +302,10 @@ class Generation:
         try:
             async for triple in self.deltas():
                 yield triple
+                failure = _failure(triple[1])
+                if failure is not None:  # after the choice's last chunk, which carries it as stop_reason
+                    yield _sse({"error": {"message": failure, "type": "InternalServerError", "param": None,
+                                          "code": 500}})
         except ApiError as err:
             yield _sse({"error": {"message": err.message, "type": "ServiceUnavailableError"
                                   if err.status == 503 else "InternalServerError", "param": None,
@@ -300,6 +313,19 @@ class Generation:
         finally:
             if not self.done:
                 self.abort()
+
+
+def _failure(delta: RequestDelta) -> str | None:
+    """Why a finished request failed (None: it did not): the engine's message, never left empty."""
+    if not delta.finished or delta.finish_reason != "error":
+        return None
+    return bounded(getattr(delta, "error", None) or "the request failed while running (see the server's log)")
+
+
+def _stop_reason(delta: RequestDelta) -> int | str | None:
+    """vLLM's `stop_reason`: the stop string or id that ended the request; for a failure, its reason."""
+    failure = _failure(delta)
+    return delta.stop_reason if failure is None else failure
 
 
 def _finite(value: float | None) -> float | None:

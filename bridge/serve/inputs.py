@@ -3,13 +3,16 @@
 Prompt-embeds payloads are decoded here, with `bridge.load_prompt_embeds` (weights-only loading,
 the archive inspected and sparse tensors' declared size checked before anything is densified) in
 the event loop (see `decode_embeds` for why not a thread); the decode time goes to `/metrics`.
-Every problem is an `ApiError(400)` naming the field.
+Text prompts are tokenized here too, in a worker thread, never in the engine's tick: a prompt whose
+UTF-8 size is over `max_prompt_bytes` is refused before it is tokenized (`check_prompt_bytes`), and the
+engine gets token ids. Every problem is an `ApiError(400)` naming the field.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +22,7 @@ from bridge.serve.ingest import DecodedEmbeds
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.protocol import ChatCompletionRequest, CompletionRequest
 from bridge.wire import load_prompt_embeds
+from encoders.media_budget import MediaLimits
 from runner.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -34,6 +38,41 @@ class ServeLimits:
     max_n: int = 16
     max_prompt_embeds_bytes: int = 256 * 2**20
     enable_prompt_embeds: bool = False
+    media: MediaLimits = field(default_factory=MediaLimits)
+    max_prompt_bytes: int | None = None  # None: no limit (a server sets it from the context, see below)
+
+
+def longest_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes of text one token of `tokenizer` stands for: its longest vocabulary
+    entry, in bytes of the entry's own spelling (byte-level BPE spells a byte as one character of one or
+    two bytes, SentencePiece a space as three, so the spelling is never shorter than the text)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary view: assume a generous bound
+        return 64
+    return max((len(str(token).encode("utf-8", "replace")) for token in vocab), default=1)
+
+
+def default_max_prompt_bytes(tokenizer: Any, max_model_len: int) -> int:
+    """The smallest text size no prompt that fits the context exceeds: the context times the longest token."""
+    return max_model_len * longest_token_bytes(tokenizer)
+
+
+def check_prompt_bytes(text: str, where: str, limits: ServeLimits, *, before: int = 0) -> int:
+    """`before` plus the UTF-8 size of `text`, or a 400 when that is over `limits.max_prompt_bytes`
+    (checked before the text is tokenized: at that size it cannot fit the context)."""
+    cap = limits.max_prompt_bytes
+    if cap is None:
+        return before
+    # a character is at least one byte: a text of more characters than the cap is refused uncounted
+    at_least = len(text) > cap
+    total = before + (len(text) if at_least else len(text.encode("utf-8", "surrogatepass")))
+    if total > cap:
+        size = f"at least {total}" if at_least else str(total)
+        raise ApiError(400, f"{where}: {size} bytes of prompt text are over this server's limit of {cap} "
+                       "bytes (--max-prompt-bytes; by default the context length times the tokenizer's "
+                       "longest token, so no longer prompt can fit)", param=where)
+    return total
 
 
 def check_text(text: str, where: str) -> str:
@@ -110,9 +149,10 @@ def predecoded_embeds(decoded: DecodedEmbeds, *, where: str, metrics: ServeMetri
 
 async def completion_prompts(body: CompletionRequest, *, hidden_size: int, max_model_len: int,
                              limits: ServeLimits, metrics: ServeMetrics,
-                             decoded: list[DecodedEmbeds] | None = None) -> list[Any]:
+                             decoded: list[DecodedEmbeds] | None = None, tokenizer: Any = None) -> list[Any]:
     """The engine prompts of a completions request: embeds prompts first, then text / token prompts.
-    `decoded`: the body's payloads as the ingest pool decoded them (ingest.py), in order."""
+    `decoded`: the body's payloads as the ingest pool decoded them (ingest.py), in order. With a
+    `tokenizer`, text prompts become token ids here (in a worker thread), as the engine would make them."""
     if body.prompt is None and body.prompt_embeds is None:
         raise ApiError(400, "give 'prompt' or 'prompt_embeds'", param="prompt")
     prompts: list[Any] = []
@@ -140,20 +180,31 @@ async def completion_prompts(body: CompletionRequest, *, hidden_size: int, max_m
     if embeds is not None and prompt == "":
         prompt = None  # vLLM's users send prompt="" with prompt_embeds (the openai client needs a prompt)
     if prompt is not None:
-        if isinstance(prompt, str):
-            items: list[Any] = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
+        single = isinstance(prompt, str) or bool(prompt and all(isinstance(t, int) for t in prompt))
+        items: list[Any] = [prompt] if single else list(prompt)
         if not items:
             raise ApiError(400, "prompt is an empty list", param="prompt")
+        if len(prompts) + len(items) > limits.max_prompts:
+            raise ApiError(400, f"at most {limits.max_prompts} prompts per request, got "
+                           f"{len(prompts) + len(items)}", param="prompt")
+        texts: list[tuple[int, str, str]] = []  # (index in prompts, field, text)
         for i, item in enumerate(items):
+            where = "prompt" if single else f"prompt[{i}]"
             if isinstance(item, str):
-                prompts.append(check_text(item, "prompt" if isinstance(prompt, str) else f"prompt[{i}]"))
+                check_prompt_bytes(check_text(item, where), where, limits)
+                texts.append((len(prompts), where, item))
+                prompts.append(item)
             else:
-                prompts.append({"prompt_token_ids": list(item)})
-    if len(prompts) > limits.max_prompts:
-        raise ApiError(400, f"at most {limits.max_prompts} prompts per request, got {len(prompts)}",
-                       param="prompt")
+                prompts.append({"prompt_token_ids": _within_context(list(item), where, max_model_len)})
+        if texts and tokenizer is not None:
+            encoded = await asyncio.to_thread(lambda: [list(tokenizer.encode(t)) for _, _, t in texts])
+            for (k, where, _), ids in zip(texts, encoded):
+                prompts[k] = {"prompt_token_ids": _within_context(ids, where, max_model_len)}
     return prompts
+
+
+def _within_context(ids: list[int], where: str, max_model_len: int) -> list[int]:
+    if len(ids) > max_model_len:
+        raise ApiError(400, f"{where}: {len(ids)} tokens exceed this model's maximum context length of "
+                       f"{max_model_len} tokens", param=where)
+    return ids

@@ -8,9 +8,9 @@ Where things run: the engine in this process, or (`--engine-process`, the defaul
 engine) in its own (`engine_process.py`); with `--api-server-count N` above 1, N API processes share
 the port in front of it (`api_servers.py`).
 
-Shutdown: uvicorn stops accepting on SIGTERM, waits up to `--shutdown-timeout` s for open
-connections (streams keep receiving tokens meanwhile), then the app's lifespan aborts what is left
-and frees the engine; the process exits 0.
+Shutdown: uvicorn stops accepting on SIGTERM while running requests get up to `--shutdown-timeout` s
+(streams keep receiving tokens meanwhile); each one left then ends with an error event and `[DONE]`
+(a non-streaming one with a 503), the engine is freed and the process exits 0.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from bridge.serve.app import ServerState, build_app
 from bridge.serve.engine_build import build_ready_llm, engine_device_type, resolve_model
 from bridge.serve.engine_process import EngineProcess
 from bridge.serve.ingest import DEFAULT_INLINE_BYTES
-from bridge.serve.state_builder import server_state
+from bridge.serve.state_builder import media_limits, server_state
 from bridge.serve.uvicorn_server import graceful_server, uvicorn_config
 from bridge.wire import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
+from encoders.media_budget import MediaLimits
 
 logger = logging.getLogger("bridge.serve")
 
@@ -80,6 +81,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-embeds-bytes", type=int, default=DEFAULT_MAX_PROMPT_EMBEDS_BYTES,
                         help="cap on one prompt_embeds tensor's dense size")
     parser.add_argument("--max-prompts-per-request", type=int, default=256)
+    parser.add_argument("--max-prompt-bytes", type=int, default=None,
+                        help="UTF-8 bytes of text per prompt (a chat: all its messages), refused before "
+                             "tokenizing (default: the context length times the tokenizer's longest token)")
+    media = MediaLimits()
+    parser.add_argument("--max-media-items", type=int, default=media.max_items,
+                        help="media parts per chat request, counted before any is read")
+    parser.add_argument("--max-image-pixels", type=int, default=media.max_image_pixels,
+                        help="pixels of a request's images together, from their headers before decoding")
+    parser.add_argument("--max-audio-samples", type=int, default=media.max_audio_samples,
+                        help="samples of a request's audio together at its encoder's rate (WAV headers)")
+    parser.add_argument("--max-audio-file-samples", type=int, default=media.max_audio_file_samples,
+                        help="samples of a request's WAVs together as stored (frames x channels)")
+    parser.add_argument("--max-graph-nodes", type=int, default=media.max_graph_nodes,
+                        help="nodes of a request's graphs together, as declared")
+    parser.add_argument("--max-graph-edges", type=int, default=media.max_graph_edges,
+                        help="edges of a request's graphs together")
     parser.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt)")
     parser.add_argument("--max-pending-requests", type=int, default=1024,
                         help="requests in flight beyond which new ones get 503 + Retry-After")
@@ -131,6 +148,9 @@ def serve(args: argparse.Namespace) -> int:
         args.api_server_count = default_api_server_count(args)  # the API processes inherit the count
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    media_limits(args)  # a bad limit is refused before the engine builds
+    if args.max_prompt_bytes is not None and args.max_prompt_bytes < 1:
+        raise ValueError(f"--max-prompt-bytes must be >= 1, got {args.max_prompt_bytes}")
     if args.api_server_count > 1:
         if args.engine_process is False:
             raise ValueError("--api-server-count above 1 needs the engine in its own process "
@@ -138,5 +158,5 @@ def serve(args: argparse.Namespace) -> int:
         return serve_with_api_servers(args)
     state = load_server_state(args)
     logger.info("serving %s as %r on http://%s:%d", args.path, state.model_name, args.host, args.port)
-    graceful_server(uvicorn_config(build_app(state), args)).run()
+    graceful_server(uvicorn_config(build_app(state), args), drain=state.drain).run()
     return 0

@@ -9,12 +9,24 @@ from typing import Any
 
 from bridge.serve.app import ServerState
 from bridge.serve.chat import ChatRenderer
-from bridge.serve.engine_build import set_torch_threads
+from bridge.serve.engine_build import audio_sample_rates, set_torch_threads
 from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess
 from bridge.serve.ingest import default_workers
-from bridge.serve.inputs import ServeLimits
+from bridge.serve.inputs import ServeLimits, default_max_prompt_bytes
+from bridge.serve.media import MEDIA_FLAGS
 from bridge.serve.metrics import ServeMetrics
+from encoders.media_budget import MediaLimits
 from runner.llm import LLM, load_tokenizer
+
+
+def media_limits(args: argparse.Namespace) -> MediaLimits:
+    """The per-request media budget from the flags (a bad value is a ValueError naming its flag)."""
+    values = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in MEDIA_FLAGS.items()}
+    try:
+        return MediaLimits(**values)
+    except ValueError as err:
+        name = str(err).split(" ", 1)[0]
+        raise ValueError(f"{MEDIA_FLAGS.get(name, name)}: {str(err).split(' ', 1)[1]}") from None
 
 
 def ingest_workers(args: argparse.Namespace, device_type: str) -> int:
@@ -32,7 +44,7 @@ def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str 
     the `ingest_workers(args, ...)` processes, already started."""
     limits = ServeLimits(max_prompts=args.max_prompts_per_request, max_n=args.max_n,
                          max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
-                         enable_prompt_embeds=args.enable_prompt_embeds)
+                         enable_prompt_embeds=args.enable_prompt_embeds, media=media_limits(args))
     metrics = ServeMetrics()
     template = Path(args.chat_template).read_text() if args.chat_template else None
     media_dir = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
@@ -41,14 +53,17 @@ def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str 
         set_torch_threads(args, info.device_type)
         tokenizer = load_tokenizer(info.llm_dir)
         encoders = {m: SimpleNamespace(placeholder=token) for m, token in info.placeholders.items()}
-        name = info.model_name
+        name, sample_rates = info.model_name, dict(info.sample_rates)
         device_type, hidden_size, max_model_len = info.device_type, info.hidden_size, info.max_model_len
     else:
         tokenizer, encoders = llm.tokenizer, dict(llm.mm.encoders)
+        sample_rates = audio_sample_rates(encoders)
         device_type, hidden_size, max_model_len = llm.device.type, llm.hidden_size, llm.max_model_len
+    limits.max_prompt_bytes = args.max_prompt_bytes or (
+        default_max_prompt_bytes(tokenizer, max_model_len) if tokenizer is not None else None)
     chat = ChatRenderer(tokenizer, chat_template=template, encoders=encoders,
                         allowed_media_dir=media_dir, limits=limits, hidden_size=hidden_size,
-                        max_model_len=max_model_len, metrics=metrics)
+                        max_model_len=max_model_len, metrics=metrics, sample_rates=sample_rates)
     return ServerState(llm=llm, engine_process=engine_process, engine_link=engine_link, engine_info=info,
                        tokenizer=tokenizer, model_name=args.served_model_name or name,
                        model_root=str(args.path),

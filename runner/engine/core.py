@@ -293,6 +293,7 @@ class EngineCore:
             request_id=request.request_id, new_token_ids=request.output_token_ids[first:],
             new_text=text, new_logprobs=logprobs, finished=finished,
             finish_reason=request.status.value if finished else None, stop_reason=request.stop_reason,
+            error=request.error if finished else None,
         )
 
     # ----------------------------------------------------------------------------- lifecycle

@@ -42,7 +42,7 @@ from runner.worker.model_states import ModelState
 PromptType = str | dict[str, Any]
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "prompt_is_token_ids", "multi_modal_data"}
-_MM_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data"}
+_MM_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids"}
 
 
 @dataclass
@@ -365,7 +365,7 @@ class PromptProcessor:
         self.on_multimodal()
         expanded = expand_mm_prompt(ids, mm_data, placeholder_ids, self.mm.encoders, self.hidden_size,
                                     where=f"prompt {i}", placeholder_positions=positions, dtype=self.dtype,
-                                    passthrough=passthrough)
+                                    passthrough=passthrough, uuids=prompt.get("multi_modal_uuids"))
         if not expanded.token_ids:
             raise ValueError(f"prompt {i}: the prompt is empty")
         if len(expanded.token_ids) > self.max_model_len:

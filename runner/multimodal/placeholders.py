@@ -255,6 +255,38 @@ def _placeholder_positions(token_ids: Sequence[int],
     return found
 
 
+MAX_UUID_CHARS = 256
+
+
+def _item_keys(uuids: Mapping[str, Any] | None, items: Mapping[str, list[Any]],
+               where: str) -> dict[str, list[str | None]]:
+    """Per modality, per item: the caller's cache key or None (`multi_modal_uuids`, checked)."""
+    keys: dict[str, list[str | None]] = {m: [None] * len(seq) for m, seq in items.items()}
+    if uuids is None:
+        return keys
+    if not isinstance(uuids, Mapping):
+        raise ValueError(f"{where}: multi_modal_uuids must be a dict {{modality: [uuid or None, ...]}}")
+    for modality, value in uuids.items():
+        if modality not in items:
+            raise ValueError(f"{where}: multi_modal_uuids names modality {str(modality)[:40]!r}, which "
+                             "has no items in multi_modal_data")
+        given = list(value) if isinstance(value, list | tuple) else [value]
+        if len(given) != len(items[modality]):
+            raise ValueError(f"{where}: multi_modal_uuids has {len(given)} entries for {modality!r}, "
+                             f"multi_modal_data {len(items[modality])} items")
+        for k, key in enumerate(given):
+            if key is None:
+                continue
+            if modality == PROMPT_EMBEDS_MODALITY:
+                raise ValueError(f"{where}: multi_modal_uuids: prompt_embeds items are keyed by their "
+                                 "content; give None for them")
+            if not isinstance(key, str) or not 0 < len(key) <= MAX_UUID_CHARS:
+                raise ValueError(f"{where}: multi_modal_uuids[{modality!r}][{k}] must be a non-empty "
+                                 f"string of at most {MAX_UUID_CHARS} characters, or None")
+            keys[modality][k] = key
+    return keys
+
+
 def expand_mm_prompt(
     token_ids: Sequence[int],
     mm_data: Mapping[str, Any],
@@ -266,6 +298,7 @@ def expand_mm_prompt(
     placeholder_positions: Sequence[tuple[int, str]] | None = None,
     dtype: torch.dtype | None = None,
     passthrough: PassthroughBatch | None = None,
+    uuids: Mapping[str, Any] | None = None,
 ) -> ExpandedPrompt:
     """Expand every placeholder of `token_ids` to its item's rows; build the features.
 
@@ -278,6 +311,10 @@ def expand_mm_prompt(
     `passthrough`: a caller expanding many prompts collects their passthrough items there and
     hashes and checks them all at once (`PassthroughBatch.finish`); their identifiers are "" until
     then. Without it, this prompt's items are finished before returning.
+
+    `uuids` (vLLM's `multi_modal_uuids`): `{modality: [key or None per item]}`; an item with a key is
+    cached under it instead of its content hash (the caller vouches that equal keys mean equal
+    content), so nothing of it is read here but its size. Passthrough items are keyed by content only.
     """
     if not isinstance(mm_data, Mapping):
         raise ValueError(f"{where}: multi_modal_data must be a dict {{modality: [items]}}")
@@ -302,6 +339,7 @@ def expand_mm_prompt(
             raise ValueError(f"{where}: {counts[modality]} placeholder(s) for modality {modality!r} but "
                              f"{len(seq)} item(s) in multi_modal_data")
 
+    keys = _item_keys(uuids, items, where)
     batch = passthrough if passthrough is not None else PassthroughBatch()
     out_ids: list[int] = []
     spans: list[tuple[int, int]] = []  # the item positions, False in the mask
@@ -325,7 +363,9 @@ def expand_mm_prompt(
                     features.append(feature)
                 else:
                     n = item_num_rows(m, item, encoders, hidden_size, item_where, dtype)
-                    features.append(make_feature(m, item, PlaceholderRange(offset, n), encoders))
+                    key, span = keys[m][used[m] - 1], PlaceholderRange(offset, n)
+                    features.append(make_feature(m, item, span, encoders) if key is None
+                                    else MultiModalFeature(f"{m}:{key}", m, span, item))
                 mrope_items.append(MRopeItem(offset, n, item_grid(m, item, encoders, n, item_where)))
             except ValueError:
                 raise

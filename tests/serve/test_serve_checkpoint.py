@@ -1,6 +1,7 @@
 """`bridge serve RUN_DIR` over a tiny trained Bridge checkpoint (the shapes demo, a few steps): chat
-with an image equals `Bridge.from_checkpoint(...).generate`, a repeated image is encoded once, and
-SIGTERM lets a running stream finish, then exits 0."""
+with an image equals `Bridge.from_checkpoint(...).generate`, a repeated image is encoded once, images
+over the request's pixel budget and parts over the item limit are refused before anything is decoded,
+and SIGTERM lets a running stream finish, then exits 0."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import png_header
 from serve_helpers import TEMPLATE, ServerProcess
 
 from bridge.cli import main
@@ -97,6 +99,31 @@ def test_media_errors_name_the_part_and_the_flag(run_server, images):
         assert r.status_code == 400 and "--allowed-local-media-path" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "messages[0].content[0]"
     run_server.wait_idle()
+
+
+def test_images_over_the_request_budget_are_refused_from_their_headers(run_server):
+    """Eight images of 8192 x 8192 (each at the old per-image cap): refused from the first header, none
+    decoded (each PNG holds a few bytes of pixels, so a decode would fail with another message)."""
+    url = "data:image/png;base64," + base64.b64encode(png_header(8192, 8192)).decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
+    r = httpx.post(run_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": [part] * 8}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content[0]"
+    assert "image pixels" in error["message"] and "--max-image-pixels" in error["message"]
+    run_server.wait_idle()
+
+
+def test_more_media_parts_than_the_limit_are_refused_before_any_is_read(run_server):
+    junk = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}  # no image at all
+    r = httpx.post(run_server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": [junk] * 40}, {"role": "user", "content": [junk] * 25}],
+        "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[1].content[24]" and "more than 64 media items" in error["message"]
+    assert "--max-media-items" in error["message"]
 
 
 def test_sigterm_lets_the_running_stream_finish_then_exits_0(run_server, images):

@@ -1,12 +1,16 @@
 """`bridge serve RUN_DIR` over tiny trained audio and graph runs (the tones and graphs demos, two
 steps): chat with an `input_audio` part (a real WAV, base64) or a `graph` part (the JSON graph
 format) equals `Bridge.from_checkpoint(...).generate` on the same item, a repeated item is served
-from the encoder cache, and a streamed answer equals the non-streamed one."""
+from the encoder cache, and a streamed answer equals the non-streamed one. Issue 40's media findings:
+forged WAV rates and media over the request's budget are 400s naming the part and the flag, and an
+item the encoder fails on finishes with its reason (a 500 with it, or in the stream, an error event)."""
 
 from __future__ import annotations
 
 import base64
+import io
 import json
+import wave
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,14 +23,17 @@ from serve_helpers import TEMPLATE, ServerProcess
 from bridge.cli import main
 from bridge.data.sources import build_datasets
 from bridge.recipe import load_recipe
-from bridge.serve.chat import decode_wav
+from bridge.serve.media import decode_wav
 from encoders.audio_inputs import load_wav, save_wav
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ["data.num_train=8", "data.num_eval=2"]
 TRAIN = ["train.max_steps=2", "train.progress=false", "train.batch_size=4", "eval.num_items=1"]
 MODEL = "run"
-SERVE_FLAGS = ["--max-model-len", "64", "--num-kv-blocks", "32", "--served-model-name", MODEL]
+# small media limits, so that a request just over each is cheap to send (the demo clips are 8000 samples)
+SERVE_FLAGS = ["--max-model-len", "64", "--num-kv-blocks", "32", "--served-model-name", MODEL,
+               "--max-audio-samples", "48000", "--max-audio-file-samples", "96000",
+               "--max-graph-nodes", "1000", "--max-graph-edges", "5000"]
 
 
 def _train(demo: str, out: Path) -> Path:
@@ -166,4 +173,71 @@ def test_a_streamed_answer_equals_the_non_streamed_one(served, modality):
     text, chunks = _streamed(s.server, s.parts[1])
     assert chunks[-1] == "[DONE]"
     assert text == _chat(_client(s.server), s.parts[1]) == s.want[1]
+    s.server.wait_idle()
+
+
+def _post(server: ServerProcess, part: dict, stream: bool = False) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [part]}], "max_tokens": 4,
+            "stream": stream}
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def _wav_part(rate: int, frames: int, channels: int = 1) -> dict:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:  # the wave module writes whatever rate it is given
+        f.setnchannels(channels)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(b"\x00\x00" * frames * channels)
+    data = base64.b64encode(buf.getvalue()).decode()
+    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+
+
+def _refused(r: httpx.Response, *needles: str) -> None:
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content[0]", error
+    for needle in needles:
+        assert needle in error["message"], error["message"]
+
+
+def test_forged_wav_rates_and_audio_over_the_budget_are_400s(served):
+    s = served["audio"]
+    _refused(_post(s.server, _wav_part(100_000_007, 8000)), "sample rate 100000007 Hz is outside")
+    _refused(_post(s.server, _wav_part(16001, 8000)),
+             "16001 Hz cannot be resampled to the encoder's 16000 Hz")
+    _refused(_post(s.server, _wav_part(16000, 64000)), "audio samples at the encoder's rate add up to 64000",
+             "--max-audio-samples")
+    _refused(_post(s.server, _wav_part(48000, 72000, channels=2)), "samples as stored",
+             "--max-audio-file-samples")
+    assert _chat(_client(s.server), s.parts[1]) == s.want[1]  # and the server serves on
+    s.server.wait_idle()
+
+
+def test_graphs_over_the_node_and_edge_budget_are_400s(served):
+    s = served["graph"]
+    for nodes in (1_000_000, 10**12):
+        _refused(_post(s.server, _graph_part({"num_nodes": nodes, "edges": []})),
+                 f"graph nodes add up to {nodes}", "--max-graph-nodes")
+    edges = [[0, 1]] * 5001
+    _refused(_post(s.server, _graph_part({"num_nodes": 2, "edges": edges})), "--max-graph-edges")
+    s.server.wait_idle()
+
+
+def test_a_failed_item_finishes_with_its_reason(served):
+    """The graphs tower takes no node features: the engine's encoder fails on this item. The answer is a
+    500 with the encoder's message; a stream ends its choice with finish_reason "error" and the message
+    as stop_reason, then an error event and [DONE]."""
+    s = served["graph"]
+    part = _graph_part({"num_nodes": 3, "edges": [[0, 1]], "node_features": [[1.0], [2.0], [3.0]]})
+    r = _post(s.server, part)
+    assert r.status_code == 500 and "node_features" in r.json()["error"]["message"], r.text
+    with httpx.stream("POST", s.server.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": [part]}], "max_tokens": 4,
+            "stream": True}) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    finish = json.loads(events[-3])["choices"][0]
+    assert finish["finish_reason"] == "error" and "node_features" in finish["stop_reason"]
+    assert "node_features" in json.loads(events[-2])["error"]["message"]
     s.server.wait_idle()
