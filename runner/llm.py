@@ -285,9 +285,10 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in input order. Every prompt is validated before anything
+        """One `RequestOutput` per prompt, in input order (`use_tqdm=True`: a progress bar on stderr;
+        a library call prints nothing by default). Every prompt is validated before anything
         is returned: a `ValueError` naming the first bad one, and nothing of the call is left in the
         engine. Everything but the NaN/Inf check of prompt embeds is done before anything is
         scheduled; that check, for the prompts past those the first step takes, runs once that step
