@@ -31,6 +31,7 @@ from runner.engine.core import EngineCore
 from runner.engine.embeds_staging import DeferredEmbeds
 from runner.engine.prompts import PromptProcessor, PromptType
 from runner.engine.request import Request
+from runner.engine.shut_down import ShutDown
 from runner.engine.warmup import warm_up
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
@@ -307,7 +308,6 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         with self._lock:
-            self._check_alive()
             ids = [str(next(self._request_counter)) for _ in prompts]
             # The prompt embeds past what the first step takes are checked (and uploaded) once that
             # step is launched, so their host memcpy overlaps its GPU time (see `process_leading`).
@@ -378,7 +378,6 @@ class LLM:
                              f"{type(streaming_input).__name__}")
         params = sampling_params or SamplingParams()
         with self._lock:
-            self._check_alive()
             realtime = self.mm.realtime
             if streaming_input and not realtime:
                 raise ValueError("streaming_input=True needs a realtime encoder (is_realtime=True) "
@@ -472,20 +471,18 @@ class LLM:
             self._live_requests.pop(request_id, None)
 
     # ----------------------------------------------------------------------------- lifecycle
-    def _check_alive(self) -> None:
-        if self.core is None:
-            raise RuntimeError("this LLM was shut down; build a new one")
-
     def shutdown(self) -> None:
-        """Abort every request and free the GPU memory now (weights, KV cache, graphs, buffers)."""
+        """Abort every request and free the GPU memory now (weights, KV cache, graphs, buffers). From
+        then on every method that needs the engine raises `RuntimeError` (`runner.engine.shut_down`);
+        a second `shutdown()` does nothing."""
         with self._lock:
-            if self.core is None:
+            if isinstance(self.core, ShutDown):
                 return
             self.core.shutdown()
             self.mm.items.reset()
             self.mm.cache.evict_unreferenced()
             self._live_requests.clear()
-            self.core = None
+            self.core = self.mm = self.processor = self._live_requests = ShutDown()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
