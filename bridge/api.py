@@ -34,6 +34,7 @@ from bridge.dtypes import DTYPES
 from bridge.recipe import default_output_dir, load_recipe
 from encoders.api import load_encoder
 from encoders.media_budget import MediaBudget, MediaLimits
+from runner.worker.progress_bars import hf_progress_bars_off
 
 _MEDIA_KEYS = tuple(PLACEHOLDERS.values())
 #: the prompt text's key (the runner's name) and its accepted alias
@@ -166,7 +167,8 @@ class Bridge:
         directory = ckpt_io.open_checkpoint(directory, verify=verify)
         meta = ckpt_io.read_meta(directory)
         llm_dir = directory / meta["llm_dir"] if meta["llm_dir"] == "llm" else Path(meta["llm_dir"])
-        encoders = {m: load_encoder(directory / "encoder" / m) for m in meta["modalities"]}
+        with hf_progress_bars_off():  # a pretrained tower's "Loading weights" bar: a library call is quiet
+            encoders = {m: load_encoder(directory / "encoder" / m) for m in meta["modalities"]}
         return cls(
             llm_dir,
             encoders,
@@ -197,10 +199,12 @@ class Bridge:
         words: list[str] = []
         if recipe.model.tiny is not None:
             words = dataset_vocab_words(build_datasets(recipe.data, recipe.seed)[0])
-        llm_dir = prepare_llm_dir(recipe, out, words)
+        with hf_progress_bars_off():  # writing a tiny base model, loading a pretrained tower: no bars
+            llm_dir = prepare_llm_dir(recipe, out, words)
         hidden = json.loads((llm_dir / "config.json").read_text())
         hidden = hidden.get("hidden_size") or hidden.get("text_config", {}).get("hidden_size")
-        encoder = build_recipe_encoder(recipe, int(hidden))
+        with hf_progress_bars_off():
+            encoder = build_recipe_encoder(recipe, int(hidden))
         return cls(
             llm_dir,
             {encoder.modality: encoder},
@@ -312,12 +316,14 @@ class Bridge:
         temperature: float = 0.0,
         sampling_params=None,
         backend: Any = None,
+        use_tqdm: bool = False,
         **sampling_kwargs,
     ):
         """Generate for prompt dicts {"prompt": "... <image> ...", "image": item_or_list, ...}; returns
         the runner's RequestOutputs (`.outputs[0].text`, `.outputs[0].token_ids`). `backend` (a URL
         or backend object) overrides this Bridge's for the call; a remote one is checked once
-        (same base LLM, same hidden size) before any embedding is sent."""
+        (same base LLM, same hidden size) before any embedding is sent. Prints nothing unless
+        `use_tqdm=True` (a progress bar of finished prompts on stderr)."""
         from runner.sampling_params import SamplingParams
 
         if sampling_params is None:
@@ -325,4 +331,7 @@ class Bridge:
                 max_tokens=max_tokens, temperature=temperature, **sampling_kwargs
             )
         chosen = self._checked(self.backend if backend is None else self._backend_for(backend))
-        return chosen.generate(self.build_requests(prompts), sampling_params)
+        requests = self.build_requests(prompts)
+        if use_tqdm:  # a backend object of the caller's own need not know the keyword otherwise
+            return chosen.generate(requests, sampling_params, use_tqdm=True)
+        return chosen.generate(requests, sampling_params)

@@ -31,6 +31,7 @@ from runner.engine.core import EngineCore
 from runner.engine.embeds_staging import DeferredEmbeds
 from runner.engine.prompts import PromptProcessor, PromptType
 from runner.engine.request import Request
+from runner.engine.shut_down import ShutDown
 from runner.engine.warmup import warm_up
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
@@ -285,9 +286,10 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in input order. Every prompt is validated before anything
+        """One `RequestOutput` per prompt, in input order (`use_tqdm=True`: a progress bar on stderr;
+        a library call prints nothing by default). Every prompt is validated before anything
         is returned: a `ValueError` naming the first bad one, and nothing of the call is left in the
         engine. Everything but the NaN/Inf check of prompt embeds is done before anything is
         scheduled; that check, for the prompts past those the first step takes, runs once that step
@@ -306,7 +308,6 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         with self._lock:
-            self._check_alive()
             ids = [str(next(self._request_counter)) for _ in prompts]
             # The prompt embeds past what the first step takes are checked (and uploaded) once that
             # step is launched, so their host memcpy overlaps its GPU time (see `process_leading`).
@@ -363,20 +364,36 @@ class LLM:
             raise
 
     # ----------------------------------------------------------------------------- streaming
-    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> str:
-        """Queue one prompt (any form `generate` accepts) and return its request id; run it with `step()`."""
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
+                    streaming_input: bool | None = None) -> str:
+        """Queue one prompt (any form `generate` accepts) and return its request id; run it with `step()`.
+
+        `streaming_input`: whether the request's input stays open for `append_input` until
+        `close_input` (see `append_input` for the contract). Default: open when a realtime encoder is
+        registered, else closed; True without a realtime encoder is a `ValueError`. Requests of
+        `generate` are always closed.
+        """
+        if streaming_input is not None and not isinstance(streaming_input, bool):
+            raise ValueError(f"streaming_input must be True, False or None, got "
+                             f"{type(streaming_input).__name__}")
         params = sampling_params or SamplingParams()
         with self._lock:
-            self._check_alive()
+            realtime = self.mm.realtime
+            if streaming_input and not realtime:
+                raise ValueError("streaming_input=True needs a realtime encoder (is_realtime=True) "
+                                 "registered to stream chunks into the request")
             request_id = str(next(self._request_counter))
             (request,) = self.processor.process([prompt], [params], [request_id])
+            request.input_open = realtime if streaming_input is None else streaming_input
             self.core.add_request(request)
             self._live_requests[request_id] = request
             return request_id
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the current output of every request added with
-        `add_request` that the step advanced (`finished` tells the last one)."""
+        `add_request` that the step advanced (`finished` tells the last one). A request whose input
+        is open gains at most one token per call (see `append_input`); others may gain a decode
+        window's worth."""
         with self._lock:
             advanced = self._advanced_live
             self._advanced_live = set()
@@ -392,18 +409,27 @@ class LLM:
                     del self._live_requests[request_id]
             return outputs
 
-    def append_input(self, request_id: str, chunk: Any, modality: str | None = None) -> None:
-        """Stream `chunk` (an item of a realtime encoder) into a live request.
+    def append_input(self, request_id: str, chunk: Any, modality: str | None = None) -> int:
+        """Stream `chunk` (an item of a realtime encoder) into a live request whose input is open; returns
+        the position of its first row.
 
         `modality` may be left out when exactly one realtime encoder is registered. The chunk's
         rows are fed at the request's next positions without a token yet, one per decode step
         (right after any chunk still pending); the tokens sampled there stay the request's output.
+
+        The contract, the same on every device and with every engine option (CUDA graphs, decode
+        windows, async scheduling, chunked prefill, prefix caching): while a request's input is open
+        it never decodes past what its caller has seen. Each `step()` gives it at most one new token,
+        and nothing for it is computed ahead of the call, so a chunk appended after a `step()` lands
+        at the position that follows the tokens that call returned (plus chunks still pending). While
+        any open request is unfinished the whole engine steps this way (no decode windows, no
+        overlapped steps: one token per `step()` for every request); `close_input(request_id)` says
+        the input is complete and the engine is back at full speed from the next `step()`. A request
+        left open that reaches `max_tokens` or a stop ends as usual. `ValueError` for an unknown or
+        finished request, or one whose input is closed.
         """
         with self._lock:
-            request = self._live_requests.get(request_id)
-            if request is None or request.is_finished:
-                raise ValueError(f"no live request {str(request_id)[:64]!r} (add it with add_request; "
-                                 "finished requests take no input)")
+            request = self._live_request(request_id)
             if modality is None:
                 realtime = [m for m, e in self.mm.encoders.items() if e.is_realtime]
                 if len(realtime) != 1:
@@ -413,7 +439,28 @@ class LLM:
             if modality == PROMPT_EMBEDS_MODALITY:
                 raise ValueError("append_input streams items of a realtime encoder, not prompt_embeds "
                                  "tensors")
-            self.mm.append_feature(request, modality, chunk)
+            encoder = self.mm.encoders.get(modality)
+            if not request.input_open and encoder is not None and encoder.is_realtime:
+                raise ValueError(f"the input of request {request.request_id!r} is closed (close_input was "
+                                 "called, or add_request had streaming_input=False): it takes no more chunks")
+            return self.mm.append_feature(request, modality, chunk).placeholder.offset
+
+    def close_input(self, request_id: str) -> None:
+        """Say that a live request's input is complete: no more `append_input` for it, and from the next
+        `step()` it decodes at full speed (decode windows, CUDA graphs, async steps), its pending
+        chunks still fed where they were placed. Closing twice is harmless; an unknown or finished
+        request is a `ValueError`."""
+        with self._lock:
+            request = self._live_request(request_id)
+            self.core.close_input(request.request_id)
+
+    def _live_request(self, request_id: str) -> Request:
+        """The unfinished request `request_id` added with `add_request` (ValueError otherwise)."""
+        request = self._live_requests.get(request_id)
+        if request is None or request.is_finished:
+            raise ValueError(f"no live request {str(request_id)[:64]!r} (add it with add_request; "
+                             "finished requests take no input)")
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()
@@ -424,20 +471,18 @@ class LLM:
             self._live_requests.pop(request_id, None)
 
     # ----------------------------------------------------------------------------- lifecycle
-    def _check_alive(self) -> None:
-        if self.core is None:
-            raise RuntimeError("this LLM was shut down; build a new one")
-
     def shutdown(self) -> None:
-        """Abort every request and free the GPU memory now (weights, KV cache, graphs, buffers)."""
+        """Abort every request and free the GPU memory now (weights, KV cache, graphs, buffers). From
+        then on every method that needs the engine raises `RuntimeError` (`runner.engine.shut_down`);
+        a second `shutdown()` does nothing."""
         with self._lock:
-            if self.core is None:
+            if isinstance(self.core, ShutDown):
                 return
             self.core.shutdown()
             self.mm.items.reset()
             self.mm.cache.evict_unreferenced()
             self._live_requests.clear()
-            self.core = None
+            self.core = self.mm = self.processor = self._live_requests = ShutDown()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -62,7 +62,59 @@ def test_context_manager_shuts_down(model_dir):
     with _build(model_dir, "cpu", num_kv_blocks=64) as llm:
         out = llm.generate("hello", GREEDY, use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
-    assert llm.core is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.has_unfinished_requests()
+
+
+#: LLM members that do not need the engine and keep working after shutdown()
+ENGINE_FREE = {"get_tokenizer", "eos_token_ids", "shutdown"}
+#: a call of each public method (the test fails for a method added without one here)
+CALLS = {
+    "generate": lambda llm: llm.generate("hello", GREEDY),
+    "add_request": lambda llm: llm.add_request("hello", GREEDY),
+    "step": lambda llm: llm.step(),
+    "has_unfinished_requests": lambda llm: llm.has_unfinished_requests(),
+    "abort_request": lambda llm: llm.abort_request("0"),
+    "append_input": lambda llm: llm.append_input("0", torch.zeros(1, 64), modality="audio"),
+    "close_input": lambda llm: llm.close_input("0"),
+    "register_encoder": lambda llm: llm.register_encoder(IdentityEncoder("video")),
+    "memory_report": lambda llm: llm.memory_report(),
+}
+
+
+def test_every_engine_member_raises_the_same_error_after_shutdown(model_dir):
+    """Issue 40: after shutdown() every public method and property that needs the engine raises
+    RuntimeError("this LLM was shut down; build a new one"), not an AttributeError on a freed part."""
+    import inspect
+
+    llm = _build(model_dir, "cpu", num_kv_blocks=64)
+    rid = llm.add_request("hello", GREEDY)
+    llm.step()
+    llm.shutdown()
+    message = "^this LLM was shut down; build a new one$"
+    checked = set()
+    for name, member in inspect.getmembers(LLM):
+        if name.startswith("_") or name in ENGINE_FREE:
+            continue
+        checked.add(name)
+        if isinstance(member, property):
+            with pytest.raises(RuntimeError, match=message):
+                getattr(llm, name)
+            if member.fset is not None:
+                with pytest.raises(RuntimeError, match=message):
+                    setattr(llm, name, 1)
+            continue
+        assert name in CALLS, f"LLM.{name}: add a call of it to CALLS"
+        with pytest.raises(RuntimeError, match=message):
+            CALLS[name](llm)
+    assert {"step", "abort_request", "has_unfinished_requests", "num_free_blocks", "runner"} <= checked
+    with pytest.raises(RuntimeError, match=message):
+        llm.append_input(rid, torch.zeros(1, 64))  # a request that was live
+    for part in (llm.core, llm.mm, llm.processor):
+        with pytest.raises(RuntimeError, match=message):
+            part.step()
+    assert llm.get_tokenizer() is not None and llm.eos_token_ids
+    llm.shutdown()  # still idempotent
 
 
 @pytest.mark.gpu

@@ -20,9 +20,10 @@ class GenerationBackend(Protocol):
     def verify(self, expected: ModelExpectation) -> None:
         """Raise RemoteModelMismatch (a ValueError) when the backend's LLM is not the expected one."""
 
-    def generate(self, requests: Sequence[dict], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[RequestOutput]:
-        """One output per request dict (`prompt_embeds`, `prompt_is_token_ids`, `prompt_token_ids`)."""
+    def generate(self, requests: Sequence[dict], sampling_params: SamplingParams | Sequence[SamplingParams],
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """One output per request dict (`prompt_embeds`, `prompt_is_token_ids`, `prompt_token_ids`);
+        a progress bar on stderr only with `use_tqdm=True`."""
 
     def stream(self, request: dict, sampling_params: SamplingParams) -> Iterator[RequestOutput]:
         """One request's output so far, after each step or chunk; the last has `finished=True`."""

@@ -23,9 +23,9 @@ class LocalBackend:
     def verify(self, expected: ModelExpectation) -> None:
         """The engine is built from the Bridge's own LLM directory: nothing to check."""
 
-    def generate(self, requests: Sequence[dict], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[RequestOutput]:
-        return self.engine.generate(list(requests), sampling_params)
+    def generate(self, requests: Sequence[dict], sampling_params: SamplingParams | Sequence[SamplingParams],
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
+        return self.engine.generate(list(requests), sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, request: dict, sampling_params: SamplingParams) -> Iterator[RequestOutput]:
         engine = self.engine

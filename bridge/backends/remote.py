@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 import torch
+from tqdm.auto import tqdm
 
 from bridge.backends.completions import completion_body, encode_body, parse_completion, parse_logprobs
 from bridge.backends.errors import BatchGenerationError, RemoteError, RemoteHTTPError, RemoteModelMismatch
@@ -228,15 +229,23 @@ class RemoteBackend:
         return parse_completion(data, request_id=self._next_id(), prompt_token_ids=_prompt_ids(request),
                                 tokenizer=self.tokenizer)
 
-    async def _all(self, requests: Sequence[dict], params: Sequence[SamplingParams]) -> list:
+    async def _all(self, requests: Sequence[dict], params: Sequence[SamplingParams], bar: tqdm) -> list:
         slots = asyncio.Semaphore(self.max_concurrency)
-        return await asyncio.gather(*(self._one(r, p, slots) for r, p in zip(requests, params)),
+
+        async def counted(request: dict, p: SamplingParams) -> RequestOutput:
+            try:
+                return await self._one(request, p, slots)
+            finally:
+                bar.update(1)
+
+        return await asyncio.gather(*(counted(r, p) for r, p in zip(requests, params)),
                                     return_exceptions=True)
 
-    def generate(self, requests: Sequence[dict], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 ) -> list[RequestOutput]:
+    def generate(self, requests: Sequence[dict], sampling_params: SamplingParams | Sequence[SamplingParams],
+                 *, use_tqdm: bool = False) -> list[RequestOutput]:
         """One RequestOutput per request (dicts with `prompt_embeds`, as `Bridge.build_requests`
-        makes), in order. BatchGenerationError when any failed (it holds the rest)."""
+        makes), in order. BatchGenerationError when any failed (it holds the rest). `use_tqdm=True`:
+        a progress bar of finished requests on stderr."""
         requests = list(requests)
         params = ([sampling_params] * len(requests) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
@@ -244,7 +253,9 @@ class RemoteBackend:
             raise ValueError(f"{len(params)} sampling params for {len(requests)} prompts")
         for p in params:
             completion_body("", p, model=None)  # unsupported params fail before anything is sent
-        results = self._loop.run(self._all(requests, params))
+        with tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            results = self._loop.run(self._all(requests, params, bar))
         failed = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
         if failed:
             raise BatchGenerationError(failed, [None if i in failed else r for i, r in enumerate(results)])

@@ -38,6 +38,18 @@ waiting ones would wait one window more) or when the server turns `pipeline_wind
 Tokens equal the synchronous loop's for greedy and seeded sampling (a seeded request owns its
 generator). Unseeded sampling draws from the global generator, whose draws depend on the batch.
 
+Open input (`Request.input_open`: a realtime request whose caller may still `append_input`). A chunk
+appended between two `step()` calls takes the request's next positions without a token, so what the
+engine has computed ahead of the caller decides where it lands. While any such request is unfinished
+(waiting or running), every `step()` is lockstep: whatever is in flight (a window or an overlapped
+step launched before the request arrived) is finished first, then one synchronous step runs, and
+nothing is left on the device when `step()` returns. The open request thus gains at most one token
+per `step()` and its chunks land where the synchronous loop (the CPU's) puts them, whatever the
+device and options. The cost, while an open request is unfinished: every request runs one token per
+`step()` with a host sync each (single decode steps still replay their CUDA graph), no decode
+windows, no overlapped steps. `close_input` ends it: from the next `step()` on the policy above applies
+again. With no open request the check is one empty-dict test per step.
+
 Not thread-safe: one caller drives it (`runner.LLM` serialises its callers with a lock; the
 server runs one engine task).
 """
@@ -105,16 +117,46 @@ class EngineCore:
         # BRIDGE_WINDOW_BEHIND_STEP=0 drains the step first (A/B runs).
         self.windows_behind_steps = env_switch("BRIDGE_WINDOW_BEHIND_STEP")
         self.num_windows_behind_steps = 0
+        # Unfinished requests whose input is open (finished ones are dropped at the next step), and how
+        # many `step()` calls ran in lockstep for them (module doc).
+        self._open_inputs: dict[str, Request] = {}
+        self.num_lockstep_steps = 0
 
     # ----------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
+        """Queue `request`; with `request.input_open` the engine runs in lockstep until it ends or its
+        input is closed (module doc)."""
         self.scheduler.add_request(request)
+        if request.input_open:
+            self._open_inputs[request.request_id] = request
+
+    def close_input(self, request_id: str) -> None:
+        """The request's input is complete: from the next `step()` it runs under the normal policy (decode
+        windows, overlapped steps). An unknown, finished or already closed id is ignored (the caller
+        validates ids)."""
+        request = self._open_inputs.pop(request_id, None)
+        if request is not None:
+            request.input_open = False
+
+    @property
+    def has_open_inputs(self) -> bool:
+        """Whether some unfinished request's input is open (the next `step()` runs in lockstep)."""
+        return bool(self._open_inputs) and self._prune_open_inputs()
+
+    def _prune_open_inputs(self) -> bool:
+        """Forget open requests that finished (stopped, aborted, failed); whether any is left. Only called
+        while some are open, so a step with none pays one empty-dict test."""
+        done = [rid for rid, request in self._open_inputs.items() if request.is_finished]
+        for rid in done:
+            del self._open_inputs[rid]
+        return bool(self._open_inputs)
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request now and free its KV blocks and slot (None if unknown or already finished).
 
         Safe with a step in flight: that step's output for the request is discarded when it lands.
         """
+        self._open_inputs.pop(request_id, None)
         return self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
@@ -129,15 +171,30 @@ class EngineCore:
         which modality and what went wrong; the step runs again for the others on the next call.
         """
         try:
-            advanced = self._advance()
+            lockstep = self._open_inputs and self._prune_open_inputs()  # one dict test while none is open
+            advanced = self._lockstep() if lockstep else self._advance()
         except EncoderFailure as failure:
             advanced = self._fail_requests_with(failure)
         return [d for d in map(self._delta, advanced) if d is not None]
+
+    def _lockstep(self) -> list[Request]:
+        """A step while some input is open (module doc): what is in flight is finished, then one
+        synchronous step runs; nothing is left on the device."""
+        self.num_lockstep_steps += 1
+        settled = self._settle()
+        try:
+            return settled + self._synchronous_step(progressed=bool(settled))
+        except EncoderFailure as failure:  # the settled requests' deltas are kept
+            return settled + self._fail_requests_with(failure)
 
     def settle(self) -> list[RequestDelta]:
         """Finish the step or decode window on the device without launching another; its deltas (none
         for requests aborted meanwhile, whose outputs are discarded). For a caller that dropped its
         requests mid-run and must leave no work in flight."""
+        return [d for d in map(self._delta, self._settle()) if d is not None]
+
+    def _settle(self) -> list[Request]:
+        """`settle`, returning the requests whose outputs it may have changed."""
         advanced: list[Request] = []
         if self.in_flight is not None:
             advanced += self._drain()
@@ -145,7 +202,7 @@ class EngineCore:
             window, self.window = self.window, None
             self.scheduler.update_window(window.so, self.runner.finish_decode_window(window), window.k)
             advanced += window.so.requests
-        return [d for d in map(self._delta, advanced) if d is not None]
+        return advanced
 
     def _fail_requests_with(self, failure: EncoderFailure) -> list[Request]:
         failed = []
@@ -163,23 +220,19 @@ class EngineCore:
 
     def _advance(self) -> list[Request]:
         """One step of the policy; returns the requests whose outputs it may have changed."""
-        scheduler, runner = self.scheduler, self.runner
+        scheduler = self.scheduler
         if self.window is not None:
             return self._next_window()
         if self.in_flight is None:
             window = self._run_decode_window()
             if window is not None:
                 return window
-            so = scheduler.schedule()
-            if so.num_reqs == 0:
-                if scheduler.has_unfinished():
-                    raise NoProgressError("scheduler made no progress: a request cannot fit the KV cache")
-                return []
             if self.async_scheduling:
-                self._launch(so)
+                so = self._schedule_or_raise()
+                if so.num_reqs:
+                    self._launch(so)
                 return []
-            scheduler.update(so, runner.execute(so))
-            return so.requests
+            return self._synchronous_step()
         k = self._decode_window_size()
         if k > 1:
             return self._window_behind_step(k)
@@ -192,6 +245,22 @@ class EngineCore:
         self._launch(so, prev)
         self.num_async_steps += 1
         return self._finish(prev)
+
+    def _schedule_or_raise(self, *, progressed: bool = False) -> SchedulerOutput:
+        """Plan a step with nothing in flight; NoProgressError when requests wait but none fits (unless
+        `progressed`: the caller advanced some already, and the next call raises)."""
+        so = self.scheduler.schedule()
+        if so.num_reqs == 0 and self.scheduler.has_unfinished() and not progressed:
+            raise NoProgressError("scheduler made no progress: a request cannot fit the KV cache")
+        return so
+
+    def _synchronous_step(self, *, progressed: bool = False) -> list[Request]:
+        """Plan, run and read one step with nothing in flight (`progressed`: see `_schedule_or_raise`)."""
+        so = self._schedule_or_raise(progressed=progressed)
+        if so.num_reqs == 0:
+            return []
+        self.scheduler.update(so, self.runner.execute(so))
+        return so.requests
 
     def _launch(self, so: SchedulerOutput, prev: LaunchedStep | None = None) -> None:
         self.in_flight = self.runner.launch(so, prev)

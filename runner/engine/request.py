@@ -143,6 +143,9 @@ class Request:
     finish_emitted: bool = False
     # Why the request failed (status FINISHED_ERROR), e.g. its item's encoder raised.
     error: str | None = None
+    # The caller may still stream input into it (`LLM.append_input`) until it closes it: the engine
+    # then never decodes it past what the caller has seen (`EngineCore`, lockstep steps).
+    input_open: bool = False
     _real_prompt_ids: list[int] | None = field(default=None, repr=False)
     # Async scheduling (runner.engine.async_loop): tokens sampled on the device whose values the host has
     # not read yet. The scheduler plans the next step as if they were known (they count in

@@ -50,6 +50,7 @@ from runner.worker.kernels import install_kernels
 from runner.worker.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from runner.worker.memory_profile import profile_peak_memory
 from runner.worker.pending_tokens import PendingTokenFeed
+from runner.worker.progress_bars import hf_progress_bars_off
 from runner.worker.prompt_embeds import PromptEmbedsState
 from runner.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logprob_rows
 from runner.worker.staging import StagedStep, StagingBuffers
@@ -88,7 +89,7 @@ class ModelRunner:
         self.startup_phases = self._startup.phases
         model_cls = (AutoModelForImageTextToText if getattr(hf_config, "model_type", None)
                      in _IMAGE_TEXT_MODEL_TYPES else AutoModelForCausalLM)
-        with self.startup_phase("load"):
+        with self.startup_phase("load"), hf_progress_bars_off():  # a library call prints no bars
             model = model_cls.from_pretrained(
                 config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
             )
