@@ -47,7 +47,7 @@ r = llm.runner
 out["engine"] = {"fused_layers": r.num_fused_layers, "fused_norms": r.num_fused_norms,
                  "fused_linears": list(r.num_fused_linears), "graphs": len(r.graphs),
                  "async": llm.async_scheduling, "window": llm.decode_window,
-                 "kv_blocks": llm.num_total_blocks}
+                 "kv_blocks": (llm.stats() if hasattr(llm, "stats") else llm).num_total_blocks}
 collections = [0, 0, 0]
 gc.callbacks.append(lambda phase, info: phase == "start" and collections.__setitem__(
     info["generation"], collections[info["generation"]] + 1))

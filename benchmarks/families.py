@@ -116,7 +116,7 @@ def bench_family(family: str, path: pathlib.Path, specs, device: torch.device, d
         "bridge_tok_s": tok_s, "bridge_all_tok_s": [r["tok_s"] for r in runs], "hf_tok_s": hf_res["tok_s"],
         "hf_attn_implementation": attn, "bridge_over_hf": tok_s / hf_res["tok_s"],
         "fused_layers": llm.runner.num_fused_layers, "cuda_graph_buckets": len(llm.runner.graphs),
-        "kv_blocks": llm.num_total_blocks,
+        "kv_blocks": llm.stats().num_total_blocks,
     }
     if machine:
         text = config.get_text_config()

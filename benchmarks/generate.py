@@ -158,7 +158,7 @@ def run_bridge(llm: LLM, prompts: list[dict], output_lens: list[int], device: to
     built = (compiles.count if compiles else 0) - built_before
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(output_lens), "ignore_eos run produced fewer tokens than asked"
-    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().all_free
     return {"tok_s": n_out / dt, "seconds": dt, "output_tokens": n_out, "kernel_builds": built,
             "tokens": [o.outputs[0].token_ids for o in outs]}
 
@@ -345,14 +345,16 @@ def bridge_phase(args, model_dir, device, dtype, specs, embeds_of, single_embeds
               max_model_len=max(max_len, SINGLE_ROWS + 1) + 16,
               gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, decode_window=args.decode_window,
-              async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling])
+              async_scheduling={"default": None, "on": True, "off": False}[args.async_scheduling],
+              **({"fused_ops": False} if args.no_fused_ops else {}),
+              **({"fused_layers": False} if args.no_fused_layers else {}))
     results["construction_seconds"] = results["bridge_init_seconds"] = time.perf_counter() - t0
     # How cold the construction was: a Triton cache filled by an earlier process makes it look fast.
     compiles = getattr(llm, "kernel_compiles", None)
     if compiles is not None:
         results["construction_triton_builds"] = compiles.count
         results["construction_triton_disk_cache_hits"] = compiles.disk_cache_hits
-    log(f"  constructed in {results['construction_seconds']:.2f}s, {llm.num_total_blocks} KV blocks")
+    log(f"  constructed in {results['construction_seconds']:.2f}s, {llm.stats().num_total_blocks} KV blocks")
     results["memory_report"] = memory_report(llm)  # not a generate call: the next one is still the first
     # The very first generate on this engine: one request, CPU tensors, max_tokens=1.
     single = [{"prompt_embeds": single_embeds}]
@@ -362,13 +364,14 @@ def bridge_phase(args, model_dir, device, dtype, specs, embeds_of, single_embeds
         f"{first['seconds'] * 1e3:.1f} ms")
     results["device"] = (torch.cuda.get_device_name(device) if device.type == "cuda"
                          else platform.processor() or "cpu")
-    results["kv_blocks"] = llm.num_total_blocks
+    results["kv_blocks"] = llm.stats().num_total_blocks
     results["engine"] = {
         "cuda_graph_sizes": sorted(llm.runner.graphs), "decode_window": llm.decode_window,
         "fused_rmsnorms": llm.runner.num_fused_norms, "fused_rotary": llm.runner.fused_rotary,
         "fused_linears": list(getattr(llm.runner, "num_fused_linears", (0, 0))),
         "fused_layers": getattr(llm.runner, "num_fused_layers", 0),
-        "max_num_seqs": llm.num_total_slots, "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
+        "max_num_seqs": llm.engine_config.max_num_seqs,
+        "max_num_batched_tokens": llm.engine_config.max_num_batched_tokens,
         "async_scheduling": llm.async_scheduling, "temperature": args.temperature,
     }
 
@@ -414,7 +417,7 @@ def bridge_phase(args, model_dir, device, dtype, specs, embeds_of, single_embeds
         f"first / warm {results['first_over_warm']:.2f}")
     results["cuda_graph_replays"] = llm.runner.num_graph_replays
     results["decode_windows"] = llm.runner.num_decode_windows
-    results["preemptions"] = llm.num_preemptions
+    results["preemptions"] = llm.stats().num_preemptions
     results["async_steps"] = getattr(llm, "num_async_steps", 0)
     llm.shutdown()  # frees the KV cache, graphs and weights for the HF baselines
 
@@ -588,10 +591,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     global TEMPERATURE
     TEMPERATURE = args.temperature
-    if args.no_fused_ops:
-        os.environ["BRIDGE_FUSED_OPS"] = "0"
-    if args.no_fused_layers:
-        os.environ["BRIDGE_FUSED_LAYERS"] = "0"
 
     device, model_dir, dtype = bench_setup(args)
 

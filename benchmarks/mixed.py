@@ -95,7 +95,7 @@ def timed(llm: LLM, prompts, params, device) -> dict:
     gen.sync(device)
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().all_free
     return {"tok_s": n_out / dt, "seconds": dt, "output_tokens": n_out, "process_ms": host_ms,
             "uploads": cache.num_uploads - up0, "encoder_calls": cache.num_encoder_calls - enc0,
             "tokens": [o.outputs[0].token_ids for o in outs]}

@@ -23,7 +23,7 @@ from runner.multimodal.encoder_protocol import (
     check_encoders,
     tensor_content_hash,
 )
-from runner.outputs import CompletionOutput, GenerationError, RequestDelta, RequestOutput
+from runner.outputs import CompletionOutput, EngineStats, GenerationError, RequestDelta, RequestOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.inputs_embeds import InputsEmbedsBuilder, assemble_inputs_embeds
 from runner.worker.model_states import (
@@ -42,6 +42,7 @@ __all__ = [
     "EncoderProtocol",
     "EngineConfig",
     "EngineCore",
+    "EngineStats",
     "GatheredEmbeds",
     "GenerationError",
     "InputsEmbedsBuilder",

@@ -10,6 +10,7 @@ the rest of the engine never asks "are we on a GPU?" again.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import pathlib
 from dataclasses import dataclass
@@ -27,16 +28,14 @@ DTYPES: dict[str, torch.dtype] = {
 
 # Most greedy decode steps run back to back without a host sync (see ModelRunner.execute_decode_window).
 MAX_DECODE_WINDOW = 32
-# Measured on an H200 (W1 of benchmarks/generate.py): 8 -> 35%, 16 -> 39%, 32 -> 40% of the roofline.
+# Longer windows amortise the host sync over more steps; gains flatten out by 32 (benchmarks/generate.py).
 DEFAULT_DECODE_WINDOW = 32
 # Largest step a mixed-step CUDA graph covers by default (runner.worker.cuda_graphs): the token count
 # whose decoder matmuls reach MIXED_GRAPH_WORK_FLOP (2 x decoder parameters x tokens), rounded down to a
-# power of two within [512, 16384]. Why: an eager step costs roughly fixed host time (15-25 ms for 28
-# layers), so a graph pays while the step's GPU work is not longer than that (1.6e13 FLOP is about
-# 20 ms at an H200's dense bf16 rate), even after a bucket pads the step by up to half. W1's model
-# (0.44B decoder parameters) gets 16384, a 7B model 1024. Measured: W1 behind `bridge serve` at 64
-# clients, whose arrival bursts make steps of 4-16k tokens, ran at 0.87 of offline with a cap of
-# 4096 and 0.89 with 16384 (256 clients: 0.87 and 0.90).
+# power of two within [512, 16384]. Why: an eager step costs roughly fixed host time (tens of ms for a
+# few dozen layers), so a graph pays while the step's GPU work is not longer than that, even after a
+# bucket pads the step by up to half: a 0.6B model gets 16384, a 7B model 1024. A server's arrival
+# bursts make steps of thousands of tokens, so the cap is kept high (benchmarks/serve.py).
 MIXED_GRAPH_WORK_FLOP = 1.6e13
 MIXED_GRAPH_MAX_TOKENS_RANGE = (512, 16384)
 
@@ -66,26 +65,6 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any = None) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def env_switch(name: str) -> bool:
-    """A kernel switch from the environment: on unless set to '0' (A/B runs)."""
-    return os.environ.get(name, "1") != "0"
-
-
-def env_int(name: str, default: int, low: int) -> int:
-    """A kernel knob from the environment: `default` when unset, else an int >= `low` (ValueError naming
-    the variable otherwise)."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = low - 1
-    if value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {raw[:40]!r}")
-    return value
-
-
 def _check_int(name: str, value: Any, low: int, *, optional: bool = False) -> None:
     if value is None and optional:
         return
@@ -93,44 +72,55 @@ def _check_int(name: str, value: Any, low: int, *, optional: bool = False) -> No
         raise ValueError(f"{name} must be an int >= {low}, got {str(value)[:40]!r}")
 
 
+def option(default: Any, help: str, *, flag: bool = True) -> Any:
+    """A field of `EngineConfig` with its help text; `flag=False` keeps it out of `bridge serve`'s flags
+    (the model path is the command's positional argument)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+
+
 @dataclass
 class EngineConfig:
-    """The engine's settings. Built by `LLM(...)`; `resolve` fills the device-dependent defaults.
-
-    Fields left None are decided by `resolve`: `device` (CUDA when available), `max_num_seqs`
-    (256 on a GPU, 32 on the CPU), `max_num_batched_tokens` (8192 / 2048), `max_model_len` (the
-    model's context), `decode_window` (32 with CUDA graphs, else 1), `mixed_graph_max_tokens` (the
-    largest prefill/mixed step replayed from a CUDA graph; None: decided from the model's size when it
-    is loaded, `auto_mixed_graph_max_tokens`; 0: such steps run eagerly; only used with CUDA graphs;
-    never above `max_num_batched_tokens`), and the kernel switches
-    `fused_ops` / `fused_linear` / `fused_layers` (on on the GPU unless BRIDGE_FUSED_OPS /
-    BRIDGE_FUSED_LINEAR / BRIDGE_FUSED_LAYERS is '0'; off on the CPU), and `warmup` (on on the GPU:
-    a few dummy requests at construction compile the step's kernels, so the first real call does
-    not pay for it).
+    """The engine's settings: the one list of engine options. `LLM(model, **options)` takes exactly
+    these names (a misspelt one is refused with the nearest name), and `bridge serve` builds its engine
+    flags from them (`--max-num-seqs` for `max_num_seqs`). Fields left None are decided by `resolve`
+    for this device and model.
     """
 
-    model: str
-    enable_prompt_embeds: bool = False
-    dtype: str | torch.dtype = "auto"
-    device: str | torch.device | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None
-    enforce_eager: bool = False
-    seed: int = 0
-    decode_window: int | None = None
-    mixed_graph_max_tokens: int | None = None
-    enable_prefix_caching: bool = False
-    async_scheduling: bool | None = None
-    encoder_cache_budget: int | None = None
-    fused_ops: bool | None = None
-    fused_linear: bool | None = None
-    fused_layers: bool | None = None
-    warmup: bool | None = None
+    model: str = option(None, "a local Hugging Face model directory", flag=False)
+    enable_prompt_embeds: bool = option(False, "accept prompt_embeds prompts")
+    dtype: str | torch.dtype = option("auto", "weights and activations dtype ('auto': the checkpoint's)")
+    device: str | torch.device | None = option(None, "device (default: CUDA when available)")
+    max_num_seqs: int | None = option(None, "requests running at once (default 256 on a GPU, 32 on the CPU)")
+    max_num_batched_tokens: int | None = option(
+        None, "tokens one step takes, prefill chunks included (default 8192 on a GPU, 2048 on the CPU)")
+    max_model_len: int | None = option(None, "context length (default: the model's)")
+    block_size: int = option(16, "tokens per KV-cache block")
+    kv_cache_memory: int | None = option(None, "bytes for the KV cache (overrides gpu_memory_utilization)")
+    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory the engine may use")
+    num_kv_blocks: int | None = option(None, "a fixed KV pool size in blocks")
+    enforce_eager: bool = option(False, "no CUDA graphs")
+    seed: int = option(0, "the engine's base random seed")
+    decode_window: int | None = option(
+        None, f"greedy decode steps run back to back between host syncs (1..{MAX_DECODE_WINDOW}; default "
+        f"{DEFAULT_DECODE_WINDOW} with CUDA graphs, else 1)")
+    mixed_graph_max_tokens: int | None = option(
+        None, "largest prefill/mixed step replayed from a CUDA graph (default: from the model's size; "
+        "0: such steps run eagerly)")
+    enable_prefix_caching: bool = option(False, "reuse KV blocks of identical prompt prefixes")
+    async_scheduling: bool | None = option(
+        None, "plan and launch step n+1 while step n runs (default: on, off with multimodal input)")
+    encoder_cache_budget: int | None = option(
+        None, "encoder-cache budget in rows (default: 4 x max_num_batched_tokens, at least 16384)")
+    fused_ops: bool | None = option(None, "Bridge's fused RMSNorm/rotary kernels (default: on on a GPU)")
+    fused_linear: bool | None = option(
+        None, "merged q/k/v and gate/up projections (default: with fused_ops)")
+    fused_layers: bool | None = option(
+        None, "fused decoder-layer forwards for llama-family layers (default: with fused_linear)")
+    warmup: bool | None = option(
+        None, "run dummy requests at construction so the first call builds no kernel (default: on on a GPU)")
+    kernel_build_threads: int | None = option(
+        None, "threads that build start-up's Triton kernels side by side (default: the usable cores, up "
+        "to 8; 0 or 1 builds them one by one where they first run)")
 
     @property
     def on_gpu(self) -> bool:
@@ -178,15 +168,37 @@ class EngineConfig:
             _check_int("mixed_graph_max_tokens", c.mixed_graph_max_tokens, 0)
             c.mixed_graph_max_tokens = min(c.mixed_graph_max_tokens, c.max_num_batched_tokens)
         if c.fused_ops is None:
-            c.fused_ops = gpu and env_switch("BRIDGE_FUSED_OPS")
+            c.fused_ops = gpu
         if c.fused_linear is None:
-            c.fused_linear = c.fused_ops and env_switch("BRIDGE_FUSED_LINEAR")
+            c.fused_linear = c.fused_ops
         if c.fused_layers is None:
-            c.fused_layers = c.fused_linear and env_switch("BRIDGE_FUSED_LAYERS")
+            c.fused_layers = c.fused_linear
         if c.warmup is None:
             c.warmup = gpu
+        if c.kernel_build_threads is None:
+            c.kernel_build_threads = min(8, usable_cores())
+        _check_int("kernel_build_threads", c.kernel_build_threads, 0)
         return c
 
 
+def check_option_names(names: Any, where: str = "LLM()") -> None:
+    """TypeError for a keyword that is not an `EngineConfig` field, naming the nearest one."""
+    fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+    for name in names:
+        if name not in fields:
+            near = difflib.get_close_matches(name, fields, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f"; engine options: {', '.join(fields)}"
+            raise TypeError(f"{where} got an unexpected keyword argument {str(name)[:60]!r}{hint}")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one, e.g. under taskset or
+    a container's cpuset), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 __all__ = ["DEFAULT_DECODE_WINDOW", "DTYPES", "MAX_DECODE_WINDOW", "MIXED_GRAPH_WORK_FLOP", "EngineConfig",
-           "auto_mixed_graph_max_tokens", "resolve_dtype"]
+           "auto_mixed_graph_max_tokens", "check_option_names", "option", "resolve_dtype", "usable_cores"]

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, GenerationConfig
 
-from runner.config import EngineConfig, env_switch
+from runner.config import EngineConfig, check_option_names
 from runner.engine.core import EngineCore
 from runner.engine.embeds_staging import DeferredEmbeds
 from runner.engine.prompts import PromptProcessor, PromptType
@@ -36,7 +36,7 @@ from runner.engine.warmup import warm_up
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
 from runner.multimodal.state import MultimodalState
-from runner.outputs import GenerationError, RequestOutput
+from runner.outputs import EngineStats, GenerationError, RequestOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.hf_config import text_config
 from runner.worker.kernel_compiles import kernel_compiles
@@ -45,10 +45,6 @@ from runner.worker.model_files import check_model_files
 from runner.worker.model_states import load_hf_config, resolve_model_state_cls
 
 logger = logging.getLogger(__name__)
-
-
-#: check the prompt embeds past the first step's prompts once that step is launched (see `LLM.generate`)
-DEFER_EMBEDS_CHECK = env_switch("BRIDGE_DEFER_EMBEDS_CHECK")
 
 
 def load_tokenizer(model_dir: str):
@@ -76,71 +72,31 @@ def _eos_token_ids(model_dir: str, hf_config: Any, tokenizer) -> list[int]:
 class LLM:
     """An in-process generation engine over a local Hugging Face model directory.
 
-    Arguments beyond vLLM's familiar ones (all fields of `runner.config.EngineConfig`):
-    `num_kv_blocks` fixes the KV pool size (otherwise it comes from `kv_cache_memory` bytes, or on
-    the GPU from `gpu_memory_utilization` after a profiling step; 256 MiB on the CPU).
-    `decode_window` is how many greedy decode steps run back to back between host syncs when
-    every running request is a plain greedy decode (default 32 with CUDA graphs, 1 otherwise).
-    `mixed_graph_max_tokens` is the largest prefill or mixed step (in tokens) replayed from a CUDA
-    graph instead of launched layer by layer (default from the model's size: 16384 for a 0.6B model,
-    1024 for 7B, 512 for 70B; never above `max_num_batched_tokens`; 0 runs them eagerly).
-    `async_scheduling` (default on, except with multimodal input) plans and launches step n+1
-    while step n runs on the device. `fused_ops` / `fused_linear` / `fused_layers` choose Bridge's
-    fused kernels (default: on on the GPU). Counters for tests and monitoring: `num_free_blocks`,
-    `num_total_blocks`, `num_free_slots`, `num_total_slots`, `num_steps`, `num_preemptions`,
-    `num_async_steps`. `hidden_size` is the width a `prompt_embeds` tensor must have. `warmup`
-    (default on on the GPU) runs a few dummy requests at construction so the first call does not
-    compile kernels; `memory_report()` says where the device memory went.
+    `LLM(model, encoders=None, **options)`: `options` are the fields of `runner.config.EngineConfig`,
+    the one list of engine options (each with its help text; `bridge serve` has a flag per field), and
+    a misspelt name is a TypeError naming the nearest one. `encoders` maps a modality to an object
+    meeting the encoder protocol (`runner.multimodal.encoder_protocol`). `stats()` gives the engine's
+    counters; `hidden_size` is the width a `prompt_embeds` tensor must have; `memory_report()` says
+    where the device memory went.
     """
 
     def __init__(
-        self,
-        model: str | pathlib.Path,
-        *,
-        enable_prompt_embeds: bool = False,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_kv_blocks: int | None = None,
-        enforce_eager: bool = False,
-        seed: int = 0,
-        decode_window: int | None = None,
-        mixed_graph_max_tokens: int | None = None,
-        encoders: Mapping[str, Any] | None = None,
-        enable_prefix_caching: bool = False,
-        async_scheduling: bool | None = None,
-        encoder_cache_budget: int | None = None,
-        fused_ops: bool | None = None,
-        fused_linear: bool | None = None,
-        fused_layers: bool | None = None,
-        warmup: bool | None = None,
+        self, model: str | pathlib.Path, *, encoders: Mapping[str, Any] | None = None, **options: Any
     ) -> None:
+        check_option_names(options)
         self._lock = threading.RLock()
         model_dir = str(model)
         check_model_files(model_dir)  # a damaged file is one error naming it, before anything loads
         hf_config = load_hf_config(model_dir)
         self.model_state_cls = resolve_model_state_cls(hf_config)
+        requested = EngineConfig(model=model_dir, **options)
         realtime = any(getattr(e, "is_realtime", False) for e in (encoders or {}).values())
         verdict = self.model_state_cls.check_supported(
-            hf_config, enable_prompt_embeds=enable_prompt_embeds, async_scheduling=async_scheduling,
-            has_mm=bool(encoders), realtime=realtime)
-        self._async_scheduling_requested = async_scheduling
-        self.engine_config = config = EngineConfig(
-            model=model_dir, enable_prompt_embeds=enable_prompt_embeds, dtype=dtype, device=device,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization, num_kv_blocks=num_kv_blocks,
-            enforce_eager=enforce_eager, seed=seed, decode_window=decode_window,
-            mixed_graph_max_tokens=mixed_graph_max_tokens,
-            enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-            encoder_cache_budget=encoder_cache_budget, fused_ops=fused_ops, fused_linear=fused_linear,
-            fused_layers=fused_layers, warmup=warmup,
-        ).resolve(hf_config)
+            hf_config, enable_prompt_embeds=requested.enable_prompt_embeds,
+            async_scheduling=requested.async_scheduling, has_mm=bool(encoders), realtime=realtime)
+        self._async_scheduling_requested = requested.async_scheduling
+        self.engine_config = config = requested.resolve(hf_config)
+        enable_prompt_embeds, seed = config.enable_prompt_embeds, config.seed
         self.config = hf_config
         self.enable_prompt_embeds = enable_prompt_embeds
         self.device = config.device
@@ -237,35 +193,23 @@ class LLM:
         self.core.decode_window = value
 
     # ----------------------------------------------------------------------------- counters
-    @property
-    def num_total_blocks(self) -> int:
-        return self.block_manager.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_manager.num_free_blocks
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.scheduler.num_free_slots
-
-    @property
-    def num_total_slots(self) -> int:
-        return self.scheduler.max_num_seqs
-
-    @property
-    def num_steps(self) -> int:
-        """Forward passes run so far (tests check that a rejected call ran none)."""
-        return self.runner.num_forward_steps
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
-
-    @property
-    def num_async_steps(self) -> int:
-        """Steps launched while the previous one was still on the device."""
-        return self.core.num_async_steps
+    def stats(self) -> EngineStats:
+        """The engine's counters now (KV blocks, request slots, steps, preemptions, ...), for tests and
+        monitoring."""
+        core = self.core
+        return EngineStats(
+            num_total_blocks=core.block_manager.num_blocks,
+            num_free_blocks=core.block_manager.num_free_blocks,
+            num_total_slots=core.scheduler.max_num_seqs,
+            num_free_slots=core.scheduler.num_free_slots,
+            num_steps=core.runner.num_forward_steps,
+            num_preemptions=core.scheduler.num_preemptions,
+            num_async_steps=core.num_async_steps,
+            num_pipelined_windows=core.num_pipelined_windows,
+            num_windows_behind_steps=core.num_windows_behind_steps,
+            num_lockstep_steps=core.num_lockstep_steps,
+            kernel_compiles=self.kernel_compiles.count if self.kernel_compiles is not None else 0,
+        )
 
     # ----------------------------------------------------------------------------- encoders
     def register_encoder(self, encoder: EncoderProtocol) -> None:
@@ -311,14 +255,9 @@ class LLM:
             ids = [str(next(self._request_counter)) for _ in prompts]
             # The prompt embeds past what the first step takes are checked (and uploaded) once that
             # step is launched, so their host memcpy overlaps its GPU time (see `process_leading`).
-            # BRIDGE_DEFER_EMBEDS_CHECK=0 checks every prompt first (A/B runs).
-            later: DeferredEmbeds | None = None
-            if DEFER_EMBEDS_CHECK:
-                requests, later = self.processor.process_leading(
-                    prompts, params_list, ids, leading_rows=self.engine_config.max_num_batched_tokens,
-                    leading_prompts=self.engine_config.max_num_seqs)
-            else:
-                requests = self.processor.process(prompts, params_list, ids)
+            requests, later = self.processor.process_leading(
+                prompts, params_list, ids, leading_rows=self.engine_config.max_num_batched_tokens,
+                leading_prompts=self.engine_config.max_num_seqs)
             if not requests:
                 return []
             bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm,

@@ -5,6 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's counters at one moment (`LLM.stats()`): the KV pool and request slots (all free again
+    after every `generate`), forward steps run, preemptions, steps launched behind another (async),
+    decode windows launched behind a window or a step, steps run in lockstep for open realtime input,
+    and Triton kernel builds since construction began (0 off CUDA)."""
+
+    num_total_blocks: int
+    num_free_blocks: int
+    num_total_slots: int
+    num_free_slots: int
+    num_steps: int
+    num_preemptions: int
+    num_async_steps: int
+    num_pipelined_windows: int
+    num_windows_behind_steps: int
+    num_lockstep_steps: int
+    kernel_compiles: int
+
+    @property
+    def all_free(self) -> bool:
+        """Every KV block and request slot is free (so after every `generate`)."""
+        return self.num_free_blocks == self.num_total_blocks and self.num_free_slots == self.num_total_slots
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence: its tokens, text, why it stopped and (if asked) logprobs.

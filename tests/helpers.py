@@ -102,8 +102,9 @@ def load_hf_fp32(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def cpu_runner_with_fused_ops(path):
-    """A CPU ModelRunner over `path` with the fused ops requested (as on the GPU), for install checks."""
+def cpu_runner_with_fused_ops(path, **switches):
+    """A CPU ModelRunner over `path` with the fused ops requested (as on the GPU), for install checks;
+    `switches` set `fused_linear` / `fused_layers`."""
     from transformers import AutoConfig
 
     from runner.config import EngineConfig
@@ -111,7 +112,7 @@ def cpu_runner_with_fused_ops(path):
 
     hf_config = AutoConfig.from_pretrained(path)
     config = EngineConfig(str(path), dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=64,
-                          max_model_len=128, num_kv_blocks=16, fused_ops=True).resolve(hf_config)
+                          max_model_len=128, num_kv_blocks=16, fused_ops=True, **switches).resolve(hf_config)
     return ModelRunner(config, hf_config)
 
 

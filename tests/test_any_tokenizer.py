@@ -90,7 +90,7 @@ def test_prompt_embeds_item_refused_when_prompt_embeds_are_off(model_dir):
     item = torch.randn(2, llm.hidden_size)
     with pytest.raises(ValueError, match="enable_prompt_embeds"):
         llm.generate({"prompt": "a <embeds>", "multi_modal_data": {"prompt_embeds": [item]}}, use_tqdm=False)
-    assert llm.num_steps == 0
+    assert llm.stats().num_steps == 0
 
 
 def test_num_cached_tokens_counts_prefix_cache_hits(llm):

@@ -57,7 +57,7 @@ def test_async_then_multimodal_prompt(model_dir):
                    async_scheduling=True, device="cpu", num_kv_blocks=16)
     with pytest.raises(ValueError, match="async scheduling"):
         explicit.generate(["text", item], GREEDY, use_tqdm=False)
-    assert explicit.num_steps == 0
+    assert explicit.stats().num_steps == 0
     with pytest.raises(ValueError, match="async scheduling"):
         explicit.register_encoder(IdentityEncoder("image"))
     default = LLM(model_dir, enable_prompt_embeds=True, device="cpu", num_kv_blocks=16)
@@ -143,7 +143,7 @@ def _compare(model_dir, stops, device, **engine):
     for mode in (False, True):
         llm = LLM(model_dir, enable_prompt_embeds=True, async_scheduling=mode, device=device, **engine)
         outs[mode] = [_summary(o) for o in llm.generate(_mixed_prompts(), params, use_tqdm=False)]
-        assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+        assert llm.stats().all_free
         llms[mode] = llm
     for i, (want, got) in enumerate(zip(outs[False], outs[True])):
         assert got[:4] == want[:4], f"request {i} ({params[i]}): tokens, text or finish differ under async"
@@ -155,13 +155,13 @@ def _compare(model_dir, stops, device, **engine):
 def test_async_matches_sync(model_dir, stops, name, one_cpu_thread):
     want, sync, llm = _compare(model_dir, stops, "cpu", **CONFIGS[name])
     # The steps really overlapped: launched with a step in flight, input ids fed on the device.
-    assert llm.num_async_steps > 0 and llm.runner.num_fed_tokens > 0
-    assert sync.num_async_steps == 0 and sync.runner.num_fed_tokens == 0
+    assert llm.stats().num_async_steps > 0 and llm.runner.num_fed_tokens > 0
+    assert sync.stats().num_async_steps == 0 and sync.runner.num_fed_tokens == 0
     # The batch exercises what it claims to.
     reasons = {r[3] for r in want}
     assert stops[0] in reasons and stops[1] in reasons
     if name == "preempting":
-        assert llm.num_preemptions > 0 and sync.num_preemptions > 0
+        assert llm.stats().num_preemptions > 0 and sync.stats().num_preemptions > 0
     if name == "chunked_prefill":
         assert llm.scheduler.num_partial_prefills > 0
     if name == "context_limit":
@@ -173,8 +173,8 @@ def test_async_matches_sync(model_dir, stops, name, one_cpu_thread):
 def test_async_default_runs_overlapped(model_dir, one_cpu_thread):
     llm = LLM(model_dir, enable_prompt_embeds=True, device="cpu", num_kv_blocks=64)
     llm.generate(_prompts(), SamplingParams(max_tokens=6, temperature=0.8, seed=1), use_tqdm=False)
-    assert llm.async_scheduling and llm.num_async_steps > 0
-    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    assert llm.async_scheduling and llm.stats().num_async_steps > 0
+    assert llm.stats().all_free
 
 
 @pytest.mark.gpu
@@ -182,4 +182,4 @@ def test_async_default_runs_overlapped(model_dir, one_cpu_thread):
 def test_async_matches_sync_cuda(model_dir, stops, enforce_eager):
     for engine in CONFIGS.values():
         _, _, llm = _compare(model_dir, stops, "cuda", dtype="float32", enforce_eager=enforce_eager, **engine)
-        assert llm.num_async_steps > 0 and llm.runner.num_fed_tokens > 0
+        assert llm.stats().num_async_steps > 0 and llm.runner.num_fed_tokens > 0

@@ -67,13 +67,13 @@ def test_a_bad_later_prompt_drops_the_whole_call_and_leaves_nothing(llm, one_cpu
     bad = [dict(p) for p in good]
     bad[4] = {"prompt_embeds": good[4]["prompt_embeds"].clone()}
     bad[4]["prompt_embeds"][7, 3] = float("inf")
-    steps = llm.num_steps
+    steps = llm.stats().num_steps
     with pytest.raises(ValueError, match=r"^prompt 4: prompt_embeds contains NaN or Inf"):
         llm.generate(bad, PARAMS, use_tqdm=False)
-    assert llm.num_steps > steps  # the first step ran before the later prompts were checked
+    assert llm.stats().num_steps > steps  # the first step ran before the later prompts were checked
     assert not llm.has_unfinished_requests()
-    assert llm.num_free_blocks == llm.num_total_blocks
-    assert llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+    assert llm.stats().num_free_slots == llm.stats().num_total_slots
     again = llm.generate(good, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
 
@@ -82,37 +82,24 @@ def test_a_bad_leading_prompt_is_refused_before_any_step(llm, one_cpu_thread):
     _, good = _prompts(llm)
     bad = list(good)
     bad[1] = {"prompt_embeds": torch.full_like(good[1]["prompt_embeds"], float("nan"))}
-    steps = llm.num_steps
+    steps = llm.stats().num_steps
     with pytest.raises(ValueError, match=r"^prompt 1: prompt_embeds contains NaN or Inf"):
         llm.generate(bad, PARAMS, use_tqdm=False)
-    assert llm.num_steps == steps
-    assert llm.num_free_blocks == llm.num_total_blocks
-
-
-def test_with_the_switch_off_every_prompt_is_checked_before_any_step(llm, one_cpu_thread, monkeypatch):
-    import runner.llm as llm_module
-
-    monkeypatch.setattr(llm_module, "DEFER_EMBEDS_CHECK", False)  # BRIDGE_DEFER_EMBEDS_CHECK=0
-    _, good = _prompts(llm)
-    bad = list(good)
-    bad[4] = {"prompt_embeds": torch.full_like(good[4]["prompt_embeds"], float("nan"))}
-    steps = llm.num_steps
-    with pytest.raises(ValueError, match=r"^prompt 4: prompt_embeds contains NaN or Inf"):
-        llm.generate(bad, PARAMS, use_tqdm=False)
-    assert llm.num_steps == steps
+    assert llm.stats().num_steps == steps
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
 
 
 def test_other_errors_of_later_prompts_are_still_found_before_any_step(llm, one_cpu_thread):
     _, good = _prompts(llm)
     bad = list(good)
     bad[5] = {"prompt_embeds": good[5]["prompt_embeds"][:, :3]}  # the wrong width
-    steps = llm.num_steps
+    steps = llm.stats().num_steps
     with pytest.raises(ValueError, match=r"^prompt 5: "):
         llm.generate(bad, PARAMS, use_tqdm=False)
     params = [PARAMS] * 5 + [SamplingParams(max_tokens=2, prompt_logprobs=1)]
     with pytest.raises(ValueError, match="prompt_logprobs for a prompt-embeds prompt"):
         llm.generate(good, params, use_tqdm=False)
-    assert llm.num_steps == steps
+    assert llm.stats().num_steps == steps
 
 
 @pytest.mark.gpu
@@ -134,7 +121,7 @@ def test_gpu_later_host_prompts_go_up_behind_the_first_step(model_dir):
     with pytest.raises(ValueError, match=r"^prompt 5: prompt_embeds contains NaN or Inf"):
         llm.generate(bad, PARAMS, use_tqdm=False)
     assert not llm.has_unfinished_requests()
-    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
     gc.collect()  # the traceback's frames held the call's requests
     assert llm.processor.uploader.kept_bytes == 0  # nothing of the dropped call holds device rows
     assert [o.outputs[0].token_ids for o in llm.generate(host, PARAMS, use_tqdm=False)] == want

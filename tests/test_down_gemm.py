@@ -98,7 +98,7 @@ def test_down_residual_updates_x_in_place_and_rejects_bad_input():
 
 def test_engine_steps_run_the_down_kernel(tiny_model_root, fused_on_cpu, monkeypatch):
     """A bf16 tiny Qwen3 with the norm-GEMM path: decode steps run the down kernel, and the greedy tokens
-    equal those of the same engine with cuBLAS's addmm (BRIDGE_DOWN_GEMM=0 is the switch)."""
+    equal those of the same engine with cuBLAS's addmm (fused_layers.DOWN_GEMM off)."""
     from helpers import fused_cpu_llm, greedy_token_ids
 
     from bridge.tiny_models import build_tiny_model
@@ -382,7 +382,7 @@ def test_pdl_kernels_compile_for_sm90_with_the_weights_read_before_the_wait():
 
 @pytest.mark.gpu
 def test_gpu_engine_with_pdl_equals_the_same_kernels_launched_normally(tiny_model_root, monkeypatch):
-    """The engine with BRIDGE_PDL on (CUDA graphs, decode windows, PDL_MAX_ROWS
+    """The engine with PDL on (CUDA graphs, decode windows, PDL_MAX_ROWS
     requests) gives bitwise the tokens and
     logprobs of the same engine whose weights-first kernels launch normally: PDL changes when a kernel
     starts, never what it computes."""

@@ -43,8 +43,8 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 
 
 def _assert_all_free(llm: LLM) -> None:
-    assert llm.num_free_blocks == llm.num_total_blocks
-    assert llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+    assert llm.stats().num_free_slots == llm.stats().num_total_slots
 
 
 # ----------------------------------------------------------------------------- validation
@@ -74,11 +74,11 @@ BAD_EMBEDS = {
 
 @pytest.mark.parametrize("kind", list(BAD_EMBEDS))
 def test_bad_prompt_rejected_before_anything_is_scheduled(llm, kind):
-    steps = llm.num_steps
+    steps = llm.stats().num_steps
     good = {"prompt_embeds": torch.randn(3, HIDDEN)}
     with pytest.raises(ValueError, match="prompt 1"):
         llm.generate([good, BAD_EMBEDS[kind](), good], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert llm.num_steps == steps  # not even the valid prompt 0 ran
+    assert llm.stats().num_steps == steps  # not even the valid prompt 0 ran
     assert not llm.scheduler.has_unfinished()
     _assert_all_free(llm)
 
@@ -87,15 +87,15 @@ def test_embeds_rejected_without_enable_prompt_embeds(model_dir):
     plain = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=16)
     with pytest.raises(ValueError, match="enable_prompt_embeds"):
         plain.generate([{"prompt_embeds": torch.randn(3, HIDDEN)}], use_tqdm=False)
-    assert plain.num_steps == 0
+    assert plain.stats().num_steps == 0
 
 
 def test_prompt_logprobs_rejected_for_embeds_prompts(llm):
-    steps = llm.num_steps
+    steps = llm.stats().num_steps
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate([{"prompt_token_ids": _ids(4)}, {"prompt_embeds": torch.randn(3, HIDDEN)}],
                      SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
-    assert llm.num_steps == steps
+    assert llm.stats().num_steps == steps
 
 
 @pytest.mark.parametrize("kind", ["t5", "bamba", "qwen3_next", "bert"])
@@ -254,7 +254,7 @@ def test_abort_frees_blocks_and_slots(llm):
     for i in range(3):
         llm.scheduler.add_request(Request(f"abort-{i}", i, _ids(40, i), SamplingParams(max_tokens=4)))
     out = llm.scheduler.schedule()  # admits the requests and gives them blocks and slots
-    assert out.num_reqs > 0 and llm.num_free_blocks < llm.num_total_blocks
+    assert out.num_reqs > 0 and llm.stats().num_free_blocks < llm.stats().num_total_blocks
     for i in range(3):
         llm.scheduler.abort_request(f"abort-{i}")
     assert not llm.scheduler.has_unfinished()
@@ -289,9 +289,9 @@ def test_profile_step_leaves_the_engine_clean(llm):
     prompt = {"prompt_token_ids": _ids(12, 12)}
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-    steps = llm.num_steps
+    steps = llm.stats().num_steps
     assert llm.runner.profile_peak_memory(force=True) == 0  # measured on CUDA only
-    assert llm.num_steps == steps
+    assert llm.stats().num_steps == steps
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
     _assert_all_free(llm)
 
@@ -366,3 +366,21 @@ def test_requests_are_entities_equal_only_to_themselves():
     running = [make() for _ in range(3)] + [a]
     running.remove(a)
     assert all(r is not a for r in running) and len(running) == 3
+
+
+def test_engine_options_are_the_engine_configs_fields(model_dir):
+    """`LLM(model, **options)` takes exactly EngineConfig's fields: a misspelt option is a TypeError naming
+    the nearest field, before anything loads; `stats()` reports the resolved pool and slots."""
+    import dataclasses
+
+    from runner.config import EngineConfig
+
+    with pytest.raises(TypeError, match=r"'max_num_seq' \(did you mean 'max_num_seqs'\?\)"):
+        LLM(model_dir, device="cpu", max_num_seq=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        LLM(model_dir, device="cpu", colour="blue")
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=3, num_kv_blocks=24)
+    assert llm.engine_config.max_num_seqs == 3
+    stats = llm.stats()
+    assert (stats.num_total_slots, stats.num_total_blocks, stats.num_steps) == (3, 24, 0) and stats.all_free
+    assert all(f.metadata.get("help") for f in dataclasses.fields(EngineConfig))

@@ -66,8 +66,8 @@ def _embeds_of(model, ids: list[int]) -> torch.Tensor:
 
 
 def _assert_all_free(llm: LLM) -> None:
-    assert llm.num_free_blocks == llm.num_total_blocks
-    assert llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+    assert llm.stats().num_free_slots == llm.stats().num_total_slots
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -86,15 +86,15 @@ def test_greedy_token_and_embeds_paths_match_hf(family, config_name, model_dirs,
         assert llm.scheduler.num_partial_prefills > 0  # prompts were split across steps
         assert llm.scheduler.num_mixed_steps > 0  # decodes and prefill chunks shared steps
     if config_name == "preempt":
-        assert llm.num_preemptions > 0
+        assert llm.stats().num_preemptions > 0
 
-    preempted_before = llm.num_preemptions
+    preempted_before = llm.stats().num_preemptions
     outs = llm.generate([{"prompt_embeds": _embeds_of(model, p)} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.prompt_token_ids == [0] * len(p) for o, p in zip(outs, prompts))
     _assert_all_free(llm)
     if config_name == "preempt":
-        assert llm.num_preemptions > preempted_before
+        assert llm.stats().num_preemptions > preempted_before
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -230,10 +230,10 @@ def test_decode_windows_match_hf_and_single_steps(family, model_dirs, hf_referen
     single = [o.outputs[0] for o in llm.generate(batch, stopping, use_tqdm=False)]
 
     llm.decode_window = 4
-    steps = llm.num_steps
+    steps = llm.stats().num_steps
     outs = llm.generate(batch, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.num_steps - steps >= MAX_TOKENS - 1  # every decode step still ran
+    assert llm.stats().num_steps - steps >= MAX_TOKENS - 1  # every decode step still ran
     assert llm.runner.num_decode_windows > 0
     windows = llm.runner.num_decode_windows
     windowed = [o.outputs[0] for o in llm.generate(batch, stopping, use_tqdm=False)]

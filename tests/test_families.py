@@ -91,13 +91,13 @@ def test_greedy_tokens_equal_hf_generate(family, family_dirs):
     llm = _engine(path)
     assert resolve_model_state_cls(llm.config) is FAMILY_MODEL_STATES[family]
     assert _tokens(llm, [{"prompt_token_ids": p} for p in ids]) == want_ids
-    preempted = llm.num_preemptions
+    preempted = llm.stats().num_preemptions
     assert _tokens(llm, [{"prompt_embeds": e} for e in embeds]) == want_embeds
     mixed = [{"prompt_token_ids": ids[i]} if i % 2 else {"prompt_embeds": embeds[i]} for i in range(8)]
     want_mixed = [want_ids[i] if i % 2 else want_embeds[i] for i in range(8)]
     assert _tokens(llm, mixed) == want_mixed
     assert preempted > 0  # the 20-block cache cannot hold all eight requests at once
-    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
 
 
 @pytest.mark.parametrize("family", SLIDING_FAMILIES)

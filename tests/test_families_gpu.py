@@ -1,6 +1,6 @@
 """On the GPU, per family: the engine with its fused paths (one-kernel norms and rotary, merged q/k/v and
 gate/up GEMMs, fused decoder layers where the family has them, the grouped MoE kernel, CUDA graphs) gives
-the tokens of the engine without them (BRIDGE_FUSED_OPS=0). fp32 so that greedy tokens can be compared
+the tokens of the engine without them (fused_ops=False). fp32 so that greedy tokens can be compared
 exactly; chunked prefill and decode far past the 8-token windows. The MoE families run in bf16 (without
 the grouped kernel, HF's experts use `torch.nn.functional.grouped_mm`, which wants bf16 on CUDA) and are
 compared by first-token logprobs. Skipped without CUDA."""
@@ -25,10 +25,9 @@ def family_dirs(tmp_path_factory):
     return {f: build_family_model(root / f, f, seed=11, init_std=0.1) for f in TINY_FAMILIES}
 
 
-def _run(path, monkeypatch, fused: bool, dtype: str):
-    monkeypatch.setenv("BRIDGE_FUSED_OPS", "1" if fused else "0")
+def _run(path, fused: bool, dtype: str):
     llm = LLM(path, dtype=dtype, device="cuda", block_size=16, num_kv_blocks=64, max_num_batched_tokens=32,
-              max_num_seqs=8)
+              max_num_seqs=8, fused_ops=fused)
     g = torch.Generator().manual_seed(3)
     vocab = llm.runner.vocab_size
     prompts = [torch.randint(12, vocab, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 45)]
@@ -38,10 +37,10 @@ def _run(path, monkeypatch, fused: bool, dtype: str):
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_fused_gpu_paths_give_the_unfused_engines_tokens(family, family_dirs, monkeypatch):
+def test_fused_gpu_paths_give_the_unfused_engines_tokens(family, family_dirs):
     dtype = "bfloat16" if family in MOE_FAMILIES else "float32"
-    fused_llm, fused = _run(family_dirs[family], monkeypatch, True, dtype)
-    plain_llm, plain = _run(family_dirs[family], monkeypatch, False, dtype)
+    fused_llm, fused = _run(family_dirs[family], True, dtype)
+    plain_llm, plain = _run(family_dirs[family], False, dtype)
     if dtype == "float32":
         assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
     else:
@@ -56,9 +55,9 @@ def test_fused_gpu_paths_give_the_unfused_engines_tokens(family, family_dirs, mo
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2"])
-def test_fused_gpu_paths_in_bf16_stay_within_noise_of_unfused(family, family_dirs, monkeypatch):
-    _, fused = _run(family_dirs[family], monkeypatch, True, "bfloat16")
-    _, plain = _run(family_dirs[family], monkeypatch, False, "bfloat16")
+def test_fused_gpu_paths_in_bf16_stay_within_noise_of_unfused(family, family_dirs):
+    _, fused = _run(family_dirs[family], True, "bfloat16")
+    _, plain = _run(family_dirs[family], False, "bfloat16")
     _assert_first_logprobs_close(fused, plain)
 
 

@@ -161,7 +161,7 @@ def test_engine_greedy_with_fused_layers_matches_hf(family, model_dirs, fused_on
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.runner.num_graph_replays > 0
     assert len(kernel_calls) >= NUM_LAYERS * llm.runner.num_forward_steps  # every layer, every step, fused
-    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -257,25 +257,23 @@ def test_layouts_the_fused_forward_does_not_cover_are_left_alone(model_dirs):
 
 
 @pytest.mark.parametrize("disabled", [False, True])
-def test_model_runner_installs_fused_layers(model_dirs, monkeypatch, disabled):
-    if disabled:
-        monkeypatch.setenv("BRIDGE_FUSED_LAYERS", "0")
+def test_model_runner_installs_fused_layers(model_dirs, disabled):
     path = model_dirs["qwen3"]
-    runner = cpu_runner_with_fused_ops(path)
+    runner = cpu_runner_with_fused_ops(path, **({"fused_layers": False} if disabled else {}))
     assert runner.num_fused_layers == (0 if disabled else NUM_LAYERS)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_layers_on_cuda_bf16_match_unfused(family, model_dirs, monkeypatch):
+def test_fused_layers_on_cuda_bf16_match_unfused(family, model_dirs):
     """On the GPU: prompt logprobs (eager prefill) and greedy decode (CUDA graphs) with fused layers
     stay within bf16 noise of the engine without them."""
     prompts = [{"prompt_token_ids": list(range(10 + i, 40 + 3 * i))} for i in range(4)]
     params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=0, logprobs=0)
 
     def run(fused: bool):
-        monkeypatch.setenv("BRIDGE_FUSED_LAYERS", "1" if fused else "0")
-        llm = LLM(model_dirs[family], dtype="bfloat16", device="cuda", num_kv_blocks=64, max_num_seqs=8)
+        llm = LLM(model_dirs[family], dtype="bfloat16", device="cuda", num_kv_blocks=64, max_num_seqs=8,
+                  fused_layers=fused)
         assert llm.runner.num_fused_layers == (NUM_LAYERS if fused else 0)
         return llm.generate(prompts, params, use_tqdm=False)
 
@@ -294,7 +292,7 @@ def test_each_layer_adds_o_proj_into_its_predecessors_output_never_into_the_embe
         model_dirs, fused_on_cpu, monkeypatch, in_place):
     """A fused layer's o_proj accumulates in place into the hidden states the previous fused layer returned
     (no copy of the residual first), layer 0 copies (its input is the embeddings, which stay untouched),
-    and the greedy tokens equal HF's either way (BRIDGE_RESIDUAL_IN_PLACE=0 turns it off)."""
+    and the greedy tokens equal HF's either way (RESIDUAL_IN_PLACE off)."""
     path = model_dirs["qwen3"]
     ref = load_hf_fp32(path)
     embeds = [ref.get_input_embeddings()(torch.tensor(p)).detach().clone()

@@ -151,11 +151,9 @@ def test_unfusable_layouts_are_left_alone(model_dirs):
 
 
 @pytest.mark.parametrize("disabled", [False, True])
-def test_model_runner_installs_fused_linears_with_the_fused_ops(model_dirs, monkeypatch, disabled):
-    if disabled:
-        monkeypatch.setenv("BRIDGE_FUSED_LINEAR", "0")
+def test_model_runner_installs_fused_linears_with_the_fused_ops(model_dirs, disabled):
     path = model_dirs["qwen3"]
-    runner = cpu_runner_with_fused_ops(path)
+    runner = cpu_runner_with_fused_ops(path, **({"fused_linear": False} if disabled else {}))
     assert runner.num_fused_norms == NUM_LAYERS * 4 + 1
     assert runner.num_fused_linears == ((0, 0) if disabled else (NUM_LAYERS, NUM_LAYERS))
 

@@ -43,7 +43,7 @@ def llm(model_dir):
 
 
 def _free(llm):
-    return llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    return llm.stats().all_free
 
 
 def _nested():
@@ -61,14 +61,14 @@ BAD_TENSORS = {
 @pytest.mark.parametrize("kind", sorted(BAD_TENSORS))
 def test_bad_tensors_are_value_errors(llm, kind):
     good = {"prompt_token_ids": [5, 6, 7]}
-    steps = llm.num_steps
+    steps = llm.stats().num_steps
     with pytest.raises(ValueError, match="prompt 1") as err:
         llm.generate([good, {"prompt_embeds": BAD_TENSORS[kind]()}], GREEDY, use_tqdm=False)
     assert len(str(err.value)) < 300
     with pytest.raises(ValueError, match="prompt 0"):
         llm.generate({"prompt": "a <embeds>", "multi_modal_data": {"prompt_embeds": [BAD_TENSORS[kind]()]}},
                      GREEDY, use_tqdm=False)
-    assert llm.num_steps == steps and _free(llm)
+    assert llm.stats().num_steps == steps and _free(llm)
 
 
 def test_sparse_token_ids_and_mask_are_value_errors(llm):

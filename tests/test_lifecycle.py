@@ -37,7 +37,7 @@ def _use_every_input_kind(llm: LLM) -> None:
     llm.append_input(rid, embeds[1:3], modality="audio")
     while llm.has_unfinished_requests():
         llm.step()
-    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().all_free
 
 
 def _build(model_dir, device: str, **kw) -> LLM:
@@ -79,6 +79,7 @@ CALLS = {
     "close_input": lambda llm: llm.close_input("0"),
     "register_encoder": lambda llm: llm.register_encoder(IdentityEncoder("video")),
     "memory_report": lambda llm: llm.memory_report(),
+    "stats": lambda llm: llm.stats(),
 }
 
 
@@ -107,7 +108,7 @@ def test_every_engine_member_raises_the_same_error_after_shutdown(model_dir):
         assert name in CALLS, f"LLM.{name}: add a call of it to CALLS"
         with pytest.raises(RuntimeError, match=message):
             CALLS[name](llm)
-    assert {"step", "abort_request", "has_unfinished_requests", "num_free_blocks", "runner"} <= checked
+    assert {"step", "abort_request", "has_unfinished_requests", "stats", "runner"} <= checked
     with pytest.raises(RuntimeError, match=message):
         llm.append_input(rid, torch.zeros(1, 64))  # a request that was live
     for part in (llm.core, llm.mm, llm.processor):
@@ -132,7 +133,7 @@ def test_five_engines_in_a_row_on_the_gpu(model_dir):
     for i, kw in enumerate(options):
         llm = _build(model_dir, "cuda", **kw)
         _use_every_input_kind(llm)
-        assert llm.num_total_blocks > 0
+        assert llm.stats().num_total_blocks > 0
         if i % 2 == 0:
             llm.shutdown()
         del llm  # the odd ones are only dropped: sizing must still find their memory

@@ -99,8 +99,8 @@ def test_mixed_steps_replay_buckets_and_match_eager(model_dir, async_scheduling)
     # Every step replayed a graph: a decode bucket or the mixed one (no step exceeds 16 tokens).
     assert runner.num_mixed_graph_replays + runner.num_graph_replays == runner.num_forward_steps
     assert eager.runner.num_mixed_graph_replays == 0
-    assert graphed.num_free_blocks == graphed.num_total_blocks
-    assert graphed.num_free_slots == graphed.num_total_slots
+    assert graphed.stats().num_free_blocks == graphed.stats().num_total_blocks
+    assert graphed.stats().num_free_slots == graphed.stats().num_total_slots
 
 
 def test_steps_beyond_the_largest_bucket_and_prompt_logprobs_run_eagerly(model_dir):

@@ -155,7 +155,8 @@ def _engine(model_dir, path: str, device: str = "cpu", **kw) -> tuple[LLM, list[
     runner, mm = llm.runner, llm.mm
     if path != "default":
         use_triton = path == "triton"
-        mm.items = ItemTable(llm.num_total_slots, HIDDEN, torch.float32, device, use_triton=use_triton)
+        slots = llm.stats().num_total_slots
+        mm.items = ItemTable(slots, HIDDEN, torch.float32, device, use_triton=use_triton)
     seen: list[torch.Tensor] = []
     steps: list[bool] = []
     forward, launch = runner._forward, runner.launch
@@ -198,7 +199,7 @@ def _generate(llm: LLM, prompts) -> list[list[int]]:
 
 
 def _assert_clean(llm: LLM) -> None:
-    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().all_free
     assert llm.mm.items.num_live_slots == 0
     assert llm.encoder_cache.num_evictable_tokens == llm.encoder_cache.num_cached_tokens
 

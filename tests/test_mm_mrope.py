@@ -129,7 +129,7 @@ def test_mrope_engine_matches_transformers(model_dir, hf_model, chunked):
     decode = torch.cat([p for p in seen if p.dim() == 1])
     assert torch.equal(decode, torch.arange(n, n + MAX_TOKENS - 1) + delta)
     assert out.outputs[0].token_ids == ref_tokens
-    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
 
 
 def test_mrope_prefills_stay_eager_beside_captured_graphs(model_dir, hf_model):

@@ -82,8 +82,8 @@ def _rows(n: int, seed: int) -> torch.Tensor:
 
 
 def _assert_clean(llm: LLM) -> None:
-    assert llm.num_free_blocks == llm.num_total_blocks
-    assert llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+    assert llm.stats().num_free_slots == llm.stats().num_total_slots
     cache = llm.encoder_cache
     assert cache.num_evictable_tokens == cache.num_cached_tokens  # no request holds a reference
 
@@ -194,7 +194,7 @@ def test_chunked_prefill_through_an_item_changes_nothing(model_dir):
 
 def test_bad_mm_prompts_raise_before_scheduling(model_dir):
     llm, _ = _llm(model_dir)
-    steps = llm.num_steps
+    steps = llm.stats().num_steps
     bad = [
         {"prompt": "<image> <image>", "multi_modal_data": {"image": [_image(1, 1, 0)]}},  # 2 vs 1
         {"prompt": "red", "multi_modal_data": {"image": [_image(1, 1, 0)]}},  # 0 vs 1
@@ -206,7 +206,7 @@ def test_bad_mm_prompts_raise_before_scheduling(model_dir):
     for prompt in bad:
         with pytest.raises(ValueError):
             llm.generate(["fine", prompt], GREEDY, use_tqdm=False)
-    assert llm.num_steps == steps
+    assert llm.stats().num_steps == steps
     _assert_clean(llm)
 
 

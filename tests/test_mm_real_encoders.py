@@ -74,4 +74,4 @@ def test_real_streaming_audio_encoder_feeds_a_live_request(model_dir):
     a, b = run(1), run(2)
     assert a[:1] == b[:1] and a != b
     assert llm.mm.num_decode_gathers > 0
-    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks

@@ -147,19 +147,6 @@ def test_norm_qkv_rope_write_split_k(m, k, config):
         compare_qkv(c, config, torch.zeros(1, dtype=torch.int32))
 
 
-def test_qkv_splits_come_from_the_environment(monkeypatch):
-    from runner.layers import norm_gemm
-
-    table = norm_gemm.QKV_CONFIGS
-    monkeypatch.setenv("BRIDGE_QKV_SPLITS", "4")
-    assert all(cfg.splits == 4 for _, cfg in norm_gemm._qkv_splits_from_env(table))
-    monkeypatch.setenv("BRIDGE_QKV_SPLITS", "0")
-    with pytest.raises(ValueError, match="BRIDGE_QKV_SPLITS"):
-        norm_gemm._qkv_splits_from_env(table)
-    monkeypatch.delenv("BRIDGE_QKV_SPLITS")
-    assert norm_gemm._qkv_splits_from_env(table) is table
-
-
 def _gate_up_case(m, k, inter, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, k, generator=g) * 2).to(dtype)
@@ -216,19 +203,6 @@ def test_default_configs_cover_every_batch_size():
             assert isinstance(default_config(table, m), NormGemmConfig)
 
 
-def test_max_rows_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv("BRIDGE_NORM_GEMM_MAX_ROWS", raising=False)
-    assert fused_layers._norm_gemm_max_rows() == 64
-    monkeypatch.setenv("BRIDGE_NORM_GEMM_MAX_ROWS", "0")  # off
-    assert fused_layers._norm_gemm_max_rows() == 0
-    monkeypatch.setenv("BRIDGE_NORM_GEMM_MAX_ROWS", "128")
-    assert fused_layers._norm_gemm_max_rows() == 128
-    for bad in ("-1", "lots"):
-        monkeypatch.setenv("BRIDGE_NORM_GEMM_MAX_ROWS", bad)
-        with pytest.raises(ValueError, match="BRIDGE_NORM_GEMM_MAX_ROWS"):
-            fused_layers._norm_gemm_max_rows()
-
-
 # ------------------------------------------------------------------------------------------- engine
 
 def test_engine_bf16_greedy_with_norm_gemm_matches_without(tiny_model_root, fused_on_cpu, monkeypatch):
@@ -276,8 +250,8 @@ def test_engine_bf16_greedy_with_norm_gemm_matches_without(tiny_model_root, fuse
 
 
 def test_engine_with_split_k_qkv_matches_unsplit(tiny_model_root, fused_on_cpu, monkeypatch):
-    """With split-K q/k/v configured (as BRIDGE_QKV_SPLITS does) every layer gets its arrival counters at
-    fuse time and every norm-GEMM step passes them: greedy tokens equal the unsplit engine's."""
+    """With split-K q/k/v configured (a QKV_CONFIGS entry with splits > 1) every layer gets its arrival
+    counters at fuse time and every norm-GEMM step passes them: greedy tokens equal the unsplit engine's."""
     from helpers import fused_cpu_llm, greedy_token_ids
 
     from bridge.tiny_models import build_tiny_model

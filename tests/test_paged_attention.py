@@ -240,8 +240,7 @@ def test_split_counts_fill_one_wave_at_most():
 
 def test_default_decode_config_by_grid_size(monkeypatch):
     """The small-tile launch only for grids of 3 x SMs < pairs <= 4 x SMs (request, KV head) pairs at
-    head_dim 128 in 16-bit (the interpreter's device has 4 "SMs"); its switch off, or an explicit
-    BRIDGE_DECODE_CONFIG, keeps it out. Malformed configs name the variable."""
+    head_dim 128 in 16-bit (the interpreter's device has 4 "SMs")."""
     from runner.layers import paged_attention_triton as pat
 
     bf16, cpu = torch.bfloat16, torch.device("cpu")
@@ -252,36 +251,11 @@ def test_default_decode_config_by_grid_size(monkeypatch):
         assert pat._default_decode_config(bf16, pairs, 128, cpu) == DecodeConfig()
     assert pat._default_decode_config(bf16, 4 * sms, 64, cpu) == DecodeConfig()
     assert pat._default_decode_config(torch.float32, 4 * sms, 128, cpu).tile_n == 32
-    monkeypatch.setattr(pat, "SMALL_TILES", False)
-    assert pat._default_decode_config(bf16, 4 * sms, 128, cpu) == DecodeConfig()
-    env = pat.decode_config_from_env("64,8,3,2,1")
-    assert env == DecodeConfig(tile_n=64, num_warps=8, num_stages=3, programs_per_sm=2, bt_ahead=True)
-    monkeypatch.setattr(pat, "_ENV_DECODE_CONFIG", env)
-    assert pat._default_decode_config(bf16, 4 * sms, 128, cpu) == env
-    assert pat.decode_config_from_env(None) is None and pat.decode_config_from_env("") is None
-    for bad in ("64,8,3,2", "48,4,2,2,0", "64,0,2,2,0", "64,4,2,2,2", "a,b,c,d,e"):
-        with pytest.raises(ValueError, match="BRIDGE_DECODE_CONFIG"):
-            pat.decode_config_from_env(bad)
-
-
-def test_prefill_config_from_the_environment_overrides_the_16_bit_default(monkeypatch):
-    import runner.layers.paged_attention_triton as pat
-
-    env = pat.prefill_config_from_env("256,32,8,2")
-    assert env == PrefillConfig(block_m=256, tile_n=32, num_warps=8, num_stages=2)
-    monkeypatch.setattr(pat, "_ENV_PREFILL_CONFIG", env)
-    assert pat._default_prefill_config(128, torch.bfloat16, 512, 2) == env
-    assert pat._default_prefill_config(128, torch.float32, 512, 2) != env  # fp32 keeps its own
-    assert pat.prefill_config_from_env(None) is None and pat.prefill_config_from_env("") is None
-    for bad in ("128,64,8", "96,64,8,3", "128,8,8,3", "128,64,0,3", "a,b,c,d"):
-        with pytest.raises(ValueError, match="BRIDGE_PREFILL_CONFIG"):
-            pat.prefill_config_from_env(bad)
 
 
 def test_default_prefill_config_by_head_dim_rows_and_fresh_prompts(monkeypatch):
     import runner.layers.paged_attention_triton as pat
 
-    monkeypatch.setattr(pat, "_ENV_PREFILL_CONFIG", None)
     bf16, f16 = torch.bfloat16, torch.float16
     assert pat._default_prefill_config(128, bf16, 512, 2) == pat.PREFILL_TILES_128  # a prefix may be cached
     assert pat._default_prefill_config(128, f16, 512, 2, True) == pat.PREFILL_FRESH_64  # nothing cached
@@ -289,8 +263,6 @@ def test_default_prefill_config_by_head_dim_rows_and_fresh_prompts(monkeypatch):
     assert pat._default_prefill_config(128, bf16, 16, 2, True) == PrefillConfig(32, 64, 4, 3)  # short rows
     assert pat._default_prefill_config(64, bf16, 512, 2, True) == PrefillConfig(128, 64, 4, 3)
     assert pat._default_prefill_config(96, bf16, 512, 2, True) == PrefillConfig(128, 64, 8, 3)  # padded
-    monkeypatch.setattr(pat, "PREFILL_TILES", False)
-    assert pat._default_prefill_config(128, bf16, 512, 2, True) == PrefillConfig(128, 64, 8, 3)
 
 
 def test_split_count_is_not_compiled_into_the_decode_kernels():
@@ -498,7 +470,7 @@ def test_gpu_small_tile_decode_on_a_one_wave_grid_matches_torch_path():
                                 seed=21), torch.bfloat16)  # fmt: skip
     cfg = pat._default_decode_config(torch.bfloat16, 64 * 8, 128, batch.query.device)
     sms = pat._num_sms(batch.query.device)
-    if not 3 * sms < 64 * 8 <= 4 * sms or not pat.SMALL_TILES:
+    if not 3 * sms < 64 * 8 <= 4 * sms:
         pytest.skip(f"{sms} SMs: 512 pairs do not take the small tiles here")
     assert cfg == pat.SMALL_TILE_CONFIG
     out = torch.full_like(batch.query, float("nan"))
@@ -589,7 +561,7 @@ for split, release, ahead in ((False, False, False), (True, False, False), (Fals
 for release in (False, True):
     build(pat._decode_reduce_kernel, bf16, dict(stride_od=1, SPLITS_PAD=16, HEAD_DIM=128, RELEASE=release),
           COMMON, num_warps=2)
-# the earlier 128-row launch (BRIDGE_PREFILL_TILES=0) and the two 16-bit head_dim-128 defaults
+# the 128-row launch of head_dim 64-256 and the two 16-bit head_dim-128 defaults
 for cfg in (pat.PrefillConfig(128, 64, 8, 3), pat.PREFILL_TILES_128, pat.PREFILL_FRESH_64):
     build(pat._prefill_kernel, bf16, dict(UNIT, BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=cfg.block_m,
           BLOCK_Q=cfg.block_m // 2, G_PAD=2, TILE_N=cfg.tile_n, SEARCH_BLOCK=pat.PREFILL_SEARCH_BLOCK,

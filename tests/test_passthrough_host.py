@@ -173,7 +173,7 @@ def test_bad_item_is_refused_naming_prompt_and_item(model_dir, bad):
                r"beyond the range of the model dtype torch.float32\)$")
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.num_steps == 0 and not llm.has_unfinished_requests()
+    assert llm.stats().num_steps == 0 and not llm.has_unfinished_requests()
     assert len(llm.encoder_cache) == 0
 
 

@@ -70,8 +70,9 @@ def _tokens(outs) -> list[list[int]]:
 
 
 def _assert_free_or_evictable(llm: LLM) -> None:
-    assert llm.num_free_blocks == llm.num_total_blocks  # cached blocks count as free (evictable)
-    assert llm.num_free_slots == llm.num_total_slots
+    stats = llm.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks  # cached blocks count as free (evictable)
+    assert llm.stats().num_free_slots == llm.stats().num_total_slots
 
 
 def test_identical_embeds_prompts_hit_and_match_uncached(model_dir):

@@ -54,7 +54,7 @@ def _check(llm: LLM) -> None:
             llm.core.add_request(req)
     while llm.core.has_unfinished():
         llm.core.step()
-    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
 
 
 def test_each_call_is_validated_on_its_own(model_dir, one_cpu_thread):

@@ -91,7 +91,7 @@ def test_tokens_after_a_streamed_chunk_depend_on_it(model_dir, hf_model):
     assert tok_a == _reference(hf_model, a, off_a)
     assert tok_b == _reference(hf_model, b, off_b)
     assert enc.calls == [1, 1] and llm.mm.num_decode_gathers > 0
-    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().all_free
     assert llm.encoder_cache.num_evictable_tokens == llm.encoder_cache.num_cached_tokens
 
 
@@ -132,7 +132,7 @@ def test_non_realtime_engine_never_gathers_in_decode(model_dir):
     with pytest.raises(ValueError, match="realtime"):
         llm.append_input(rid, _chunk(6), modality="image")
     llm.abort_request(rid)
-    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
 
 
 def test_streamed_rows_through_decode_graph_buckets(model_dir):

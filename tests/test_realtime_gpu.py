@@ -69,7 +69,7 @@ def test_gpu_realtime_tokens_and_chunk_positions_equal_the_cpus(name, model_dir)
     assert (gpu.runner.num_graph_replays > 0) == graphs
     if options.get("enable_prefix_caching"):
         assert gpu.block_manager.num_hit_blocks > 0
-    assert gpu.num_free_blocks == gpu.num_total_blocks and gpu.num_free_slots == gpu.num_total_slots
+    assert gpu.stats().all_free
 
 
 @pytest.mark.parametrize("name", ["defaults", "async_forced"])

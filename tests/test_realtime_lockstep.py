@@ -77,7 +77,7 @@ def test_open_input_gives_the_plain_loops_steps_with_every_option(name, model_di
     if llm.engine_config.enable_prefix_caching:
         assert llm.block_manager.num_hit_blocks > 0
     assert llm.core.num_async_steps == 0 and llm.runner.num_decode_windows == 0
-    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().all_free
 
 
 @pytest.mark.parametrize("name", ["windows", "async_windows"])
@@ -121,7 +121,7 @@ def test_other_requests_run_in_lockstep_only_while_an_input_is_open(model_dir):
     assert llm.runner.num_decode_windows > windows  # full speed again
     while llm.has_unfinished_requests():
         llm.step()
-    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
 
 
 def test_a_finished_or_aborted_open_request_stops_the_lockstep(model_dir):

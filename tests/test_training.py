@@ -5,7 +5,6 @@ and resume (a process killed mid-save)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -156,15 +155,32 @@ def test_eval_json_through_runner(tmp_path):
     assert {"prompt", "target", "output", "match"} <= set(report["samples"][0])
 
 
-def _run_cli(out: Path, *overrides: str, env_extra: dict | None = None) -> subprocess.Popen:
+#: `bridge train` in a child whose checkpoint writer stops after the fill of step 4 (a kill lands mid-save)
+_SLOW_SAVE_CHILD = """
+import sys, time
+import bridge.training.checkpoint as ckpt_io
+from bridge.cli import main
+original = ckpt_io.write_checkpoint
+def slow(output_dir, step, fill, keep=0):
+    def fill_then_wait(tmp):
+        meta = fill(tmp)
+        if step == 4:
+            time.sleep(60)
+        return meta
+    return original(output_dir, step, fill_then_wait, keep)
+ckpt_io.write_checkpoint = slow
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _run_cli(out: Path, *overrides: str, slow_save: bool = False) -> subprocess.Popen:
     recipe_path = out.parent / "r.yaml"
     import yaml
 
     recipe_path.write_text(yaml.safe_dump(BASE))
-    env = {**os.environ, **(env_extra or {})}
+    entry = ["-c", _SLOW_SAVE_CHILD] if slow_save else ["-m", "bridge"]
     return subprocess.Popen(
-        [sys.executable, "-m", "bridge", "train", str(recipe_path), "--output-dir", str(out), *overrides],
-        env=env,
+        [sys.executable, *entry, "train", str(recipe_path), "--output-dir", str(out), *overrides],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=ROOT,
@@ -181,7 +197,7 @@ def test_kill_during_save_keeps_previous_checkpoint_and_resume_matches(tmp_path)
     }
 
     out = tmp_path / "run"
-    proc = _run_cli(out, *steps, env_extra={ckpt_io.SLEEP_HOOK_ENV: "4:60"})
+    proc = _run_cli(out, *steps, slow_save=True)
     tmp_dir = out / "checkpoints" / f".tmp-step_4-{proc.pid}"
     deadline = time.time() + 50
     while not (tmp_dir / "encoder").exists() and time.time() < deadline and proc.poll() is None:

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from runner.layers import triton_launch
-from runner.layers.triton_launch import build_ahead, build_threads_from_env, launch
+from runner.layers.triton_launch import build_ahead, launch
 
 
 class _Kernel:
@@ -54,19 +54,21 @@ def test_build_ahead_stays_off_where_it_cannot_help(monkeypatch):
     assert [c[0] for c in kernel.calls] == ["launch", "launch", "launch"]
 
 
-def test_build_threads_from_the_environment(monkeypatch):
-    monkeypatch.delenv(triton_launch.BUILD_THREADS_ENV, raising=False)
-    assert build_threads_from_env() == min(8, triton_launch.usable_cores())  # on by default
-    monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "0")
-    assert build_threads_from_env() == 0
-    monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "6")
-    assert build_threads_from_env() == 6
-    monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "auto")
-    assert build_threads_from_env() == min(8, triton_launch.usable_cores())
-    monkeypatch.setattr(triton_launch.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert build_threads_from_env() == 2  # the affinity mask, not the machine's core count
-    monkeypatch.setenv(triton_launch.BUILD_THREADS_ENV, "many")
-    assert build_threads_from_env() == 0
+def test_kernel_build_threads_default_to_the_usable_cores(monkeypatch, tiny_model_root):
+    """`kernel_build_threads` (an engine option) defaults to the cores this process may run on, up to 8;
+    a negative count is refused naming the option."""
+    from bridge.tiny_models import build_tiny_model
+    from runner.config import EngineConfig, usable_cores
+    from runner.worker.model_states import load_hf_config
+
+    path = build_tiny_model(tiny_model_root / "build_threads_qwen3", "qwen3", seed=5)
+    hf = load_hf_config(path)
+    assert EngineConfig(path, device="cpu").resolve(hf).kernel_build_threads == min(8, usable_cores())
+    monkeypatch.setattr("runner.config.os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert EngineConfig(path, device="cpu").resolve(hf).kernel_build_threads == 2  # the affinity mask
+    assert EngineConfig(path, device="cpu", kernel_build_threads=0).resolve(hf).kernel_build_threads == 0
+    with pytest.raises(ValueError, match="kernel_build_threads"):
+        EngineConfig(path, device="cpu", kernel_build_threads=-1).resolve(hf)
 
 
 class _Param:
@@ -243,7 +245,7 @@ _GPU_CHILD = textwrap.dedent("""
 
     prompts = [[5 + i, 17, 3 * i + 2, 40, 9][: 3 + i % 3] for i in range(6)]
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    llm = LLM(sys.argv[1], dtype="float32", device="cuda", kv_cache_memory=64 << 20)
+    llm = LLM(sys.argv[1], dtype="float32", device="cuda", kv_cache_memory=64 << 20, kernel_build_threads=4)
     phases = {k: list(v) for k, v in llm.runner.startup_phases.items()}
     graphed = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                             params, use_tqdm=False)]
@@ -260,13 +262,13 @@ _GPU_CHILD = textwrap.dedent("""
 def test_engine_with_kernels_built_ahead_captures_without_building_and_matches_eager(
     tiny_model_root, tmp_path
 ):
-    """On a cold Triton cache with BRIDGE_KERNEL_BUILD_THREADS=4: the build-ahead phase builds the kernels
+    """On a cold Triton cache with kernel_build_threads=4: the build-ahead phase builds the kernels
     of the profile step and the graph bodies, the profile and the captures (one warm-up each) build none,
     and greedy tokens equal eager ones."""
     from bridge.tiny_models import build_tiny_model
 
     path = build_tiny_model(tiny_model_root / "build_ahead_gpu_qwen3", "qwen3", seed=5, head_dim=32)
-    res = _child_result(_GPU_CHILD, path, {**os.environ, triton_launch.BUILD_THREADS_ENV: "4"}, tmp_path)
+    res = _child_result(_GPU_CHILD, path, dict(os.environ), tmp_path)
     phases = res["phases"]
     assert phases["kernel_builds"][1] > 0, phases
     # the profile step and the captures met only kernels built ahead

@@ -25,7 +25,8 @@ def model_dir(tiny_model_root):
 
 
 def _counters(llm: LLM) -> dict:
-    return {"steps": llm.num_steps, "preemptions": llm.num_preemptions, "async": llm.num_async_steps,
+    stats = llm.stats()
+    return {"steps": stats.num_steps, "preemptions": stats.num_preemptions, "async": stats.num_async_steps,
             "forward": llm.runner.num_forward_steps, "replays": llm.runner.num_graph_replays,
             "windows": llm.runner.num_decode_windows}
 
@@ -42,7 +43,7 @@ def test_warm_up_leaves_no_trace_and_changes_no_output(model_dir, one_cpu_thread
     warm = LLM(model_dir, enable_prompt_embeds=True, num_kv_blocks=64, warmup=True)
     assert warm.warmup_seconds > 0
     assert _counters(warm) == fresh_counters  # the dummy requests are not counted
-    assert warm.num_free_blocks == warm.num_total_blocks and warm.num_free_slots == warm.num_total_slots
+    assert warm.stats().all_free
     outs = warm.generate(prompts, params, use_tqdm=False)
     assert [o.request_id for o in outs] == ["0", "1"]  # ids start where a cold engine's do
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -82,7 +83,7 @@ def test_serving_warm_up_prefills_every_query_length_class_and_leaves_no_trace(m
     classes = {1 << (n - 1).bit_length() for n in seen if n > 1}
     assert classes == {1 << (n - 1).bit_length() for n in SERVING_PROMPT_LENGTHS}
     assert _counters(llm) == fresh
-    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().all_free
     llm.shutdown()
 
 
@@ -283,7 +284,7 @@ def test_gpu_cpu_tensor_embeds_match_device_embeds_and_ids(model_dir):
     with pytest.raises(ValueError, match="prompt 1: prompt_embeds contains NaN"):
         llm.generate([{"prompt_embeds": table[ids[0]].cpu()},
                       {"prompt_embeds": torch.full((4, table.shape[1]), float("nan"))}], params)
-    assert llm.num_free_blocks == llm.num_total_blocks
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
     report = llm.memory_report()
     assert report["weights_bytes"] > 0 and report["reserved_bytes"] >= report["allocated_bytes"]
     llm.shutdown()

@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shutil
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,6 @@ from encoders.checkpoint import save_encoder
 
 #: test hook: "STEP:SECONDS" sleeps that long in the middle of saving step STEP (after some files
 #: are written, before the rename), so a test can kill the process mid-save.
-SLEEP_HOOK_ENV = "BRIDGE_TEST_SLEEP_IN_SAVE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TEMP_RE = re.compile(r"^\.(?:tmp|old)-step_\d+-(\d+)$")
 MANIFEST_NAME = "manifest.json"
@@ -78,14 +76,6 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def _maybe_sleep(step: int) -> None:
-    spec = os.environ.get(SLEEP_HOOK_ENV)
-    if spec:
-        at, _, seconds = spec.partition(":")
-        if int(at) == step:
-            time.sleep(float(seconds or 3600))
-
-
 def write_checkpoint(output_dir: str | Path, step: int, fill: Any, keep: int = 0) -> Path:
     """Create step_N atomically: `fill(tmp_dir)` writes the contents, then meta is finalised and
     the folder renamed into place. `keep > 0` deletes all but the newest `keep` afterwards."""
@@ -97,7 +87,6 @@ def write_checkpoint(output_dir: str | Path, step: int, fill: Any, keep: int = 0
         shutil.rmtree(tmp)
     tmp.mkdir()
     meta = fill(tmp)
-    _maybe_sleep(step)
     # meta.json, then the manifest over everything, last: a folder without meta is never taken
     # for a checkpoint, and one whose files no longer match the manifest is skipped on resume
     (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=2))

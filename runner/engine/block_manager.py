@@ -54,8 +54,8 @@ class BlockManager:
         return self._free.popleft()
 
     def _return_free_blocks(self, blocks: list[int]) -> None:
-        """Back to the pool, in order: one call for a whole request (W1's 64 requests x 41 blocks cost
-        ~1 ms of host time with a method call per block)."""
+        """Back to the pool, in order: one call for a whole request (a method call per block was a
+        visible share of a large batch's host time)."""
         self._free.extend(blocks)
 
     def num_blocks_for(self, num_tokens: int) -> int:

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.config import EngineConfig, env_switch
+from runner.config import EngineConfig
 from runner.engine.block_manager import BlockManager
 from runner.engine.prefix_cache import PrefixCachingBlockManager
 from runner.engine.request import Request, RequestStatus
@@ -108,14 +108,11 @@ class EngineCore:
         # Steps launched while the previous one was still on the device (async scheduling).
         self.num_async_steps = 0
         # The decode window on the device whose tokens the host has not read; whether the next window
-        # may be launched behind it (the server turns this off while requests arrive;
-        # BRIDGE_PIPELINE_WINDOWS=0 for A/B runs); and how many were.
+        # may be launched behind it, or behind an overlapped step (the server turns this off while
+        # requests arrive); and how many were.
         self.window: LaunchedWindow | None = None
-        self.pipeline_windows = env_switch("BRIDGE_PIPELINE_WINDOWS")
+        self.pipeline_windows = True
         self.num_pipelined_windows = 0
-        # Windows launched behind an overlapped step (the first window after prefill steps);
-        # BRIDGE_WINDOW_BEHIND_STEP=0 drains the step first (A/B runs).
-        self.windows_behind_steps = env_switch("BRIDGE_WINDOW_BEHIND_STEP")
         self.num_windows_behind_steps = 0
         # Unfinished requests whose input is open (finished ones are dropped at the next step), and how
         # many `step()` calls ran in lockstep for them (module doc).
@@ -301,11 +298,10 @@ class EngineCore:
         """A decode window can follow the step in flight: launch it behind that step (its first inputs are
         the step's sampled ids, copied on the device), then finish the step, so the GPU goes from the step
         straight into the window instead of idling while the host reads the step and plans the window
-        (about 1 ms after W1's last prefill step). Drains first when windows are not pipelined or the
-        window cannot be planned now (KV pool short)."""
+        (between the last prefill step and the first window). Drains first when windows are not
+        pipelined or the window cannot be planned now (KV pool short)."""
         step = self.in_flight
-        pipeline = self.pipeline_windows and self.windows_behind_steps
-        so = self.scheduler.schedule_decode_window(k) if pipeline else None
+        so = self.scheduler.schedule_decode_window(k) if self.pipeline_windows else None
         if so is None:
             return self._drain()
         self.window = self._launch_window(so, k, step)

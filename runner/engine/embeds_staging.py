@@ -100,10 +100,10 @@ def stage_calls_as_one(calls: Sequence[Sequence[ParsedPrompt]], dtype: torch.dty
 
     The leading prompts that fit the uploader's keep budget go up as one tensor that stays on the
     device (their admission uploads nothing); the rest are checked in `CHECK_CHUNK_BYTES` uploads and
-    stay on the host until admitted. Why: a call beyond the budget (W2's 256 prompts, 295 MB) went
-    prompt by prompt, each with its own allocation, copy, events and check kernels, and its `memcpy`
-    on one thread: about 3% of W2's time against the same prompts already on the device. Device
-    prompts went prompt by prompt too: ~10 ms of host time for W1's 64 before the first step.
+    stay on the host until admitted. Why: a call beyond the budget went prompt by prompt, each with its
+    own allocation, copy, events and check kernels, and its `memcpy` on one thread, a measurable share
+    of the call against the same prompts already on the device. Device prompts went prompt by prompt
+    too, all of it host time before the first step.
     """
     where = [(c, i) for c, parsed in enumerate(calls) for i, p in enumerate(parsed) if p.embeds is not None]
     if len(where) < 2:

@@ -120,8 +120,8 @@ class PromptProcessor:
         The leading prompts are those the first step can take: the fewest whose rows reach
         `leading_rows` (the step's token budget), at most `leading_prompts` (its request limit).
         Everything else about every prompt (shape, vocabulary, context, params) is checked here. Why:
-        64 prompts of host embeds spent ~5 ms in `memcpy` before the first step could launch, the GPU
-        idle all along; the later prompts' half of it can run while the first step computes.
+        a large call's host embeds spent their whole `memcpy` before the first step could launch, the GPU
+        idle all along; the later prompts' part of it can run while the first step computes.
         """
         (result,), (deferred,) = self._process_calls([(prompts, params, request_ids, False)],
                                                      leading=(leading_rows, leading_prompts))

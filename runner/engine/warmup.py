@@ -87,7 +87,7 @@ def warm_up(llm: LLM) -> float:
 def warm_up_serving(llm: LLM) -> float:
     """What a server meets beyond `warm_up`: a prefill step of each query-length class (a burst's
     chunk remainders, one short prompt joining a decoding batch). A server calls it before accepting
-    traffic, so a request never waits for a kernel build (about 0.7 s each on an H200, cold); an
+    traffic, so a request never waits for a kernel build (most of a second each, cold); an
     offline `LLM` skips it to keep construction short. Returns seconds."""
     vocab = llm.runner.vocab_size
     greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

@@ -1,9 +1,9 @@
 """The MLP's down projection for decode-sized batches: SiLU * up, split-K GEMM and residual add, one kernel.
 
 Why: at decode batch sizes the down projection is the layer's most fragmented step. With cuBLAS it
-runs as `silu_mul` (one launch), then `addmm_` into the residual, which at W1's shape (M = 64, N = 1024,
-K = 3072) cuBLAS runs as a split-K GEMM, a split-K reduce and a copy: four launches, ~11 us on an H200
-per layer, against ~1.7 us for the 6 MB of weight they read. The launches, not the bytes, are the cost
+runs as `silu_mul` (one launch), then `addmm_` into the residual, which at small M cuBLAS runs as a
+split-K GEMM, a split-K reduce and a copy: four launches that take several times what reading their
+weight takes. The launches, not the bytes, are the cost
 (see `runner.layers.norm_gemm`), so here they are one:
 
 - the prologue reads gate and up from the fused gate/up GEMM's output and forms SiLU(gate) * up tile by
@@ -24,11 +24,9 @@ decoder layer keeps one per layer, made at load time, outside any CUDA-graph cap
 them zero again, so a captured graph replays safely. Two calls must not share a buffer while both run
 (one layer is never run on two streams at once). Only bf16 / fp16 (fp32 `tl.dot` would run in tf32).
 
-Measured on an H200 (`benchmarks/down_gemm.py`, W1's shapes, 28 calls on 28 weights in one CUDA graph,
-us per call against the launches it replaces): with a ready activation (the engine's case up to 32 rows,
-after `norm_gate_up_silu`) 6.3-6.6 against 7.8-7.9 at M = 1..32; at M = 64 it loses (8.9 against 8.4,
-and 10.3 against 8.6 with the SiLU prologue, which every column tile recomputes), so the engine stops
-at `runner.layers.fused_layers.NORM_GATE_UP_MAX_ROWS`.
+It wins with a ready activation (the engine's case up to 32 rows, after `norm_gate_up_silu`); at larger
+M it loses, more so with the SiLU prologue, which every column tile recomputes, so the engine stops at
+`runner.layers.fused_layers.NORM_GATE_UP_MAX_ROWS`.
 
 `residual_gemm` is the general form: `out = x + act @ W.T` out of place as well (o_proj, whose residual
 is the layer's input), and with `pdl=True` the weights-first form for programmatic dependent launch
@@ -75,17 +73,13 @@ class DownConfig:
 
 
 # Defaults per M range, (largest M, config), first match wins. One config on purpose (each is a kernel
-# build at start-up). From the H200 sweep (`benchmarks/down_gemm.py --sweep`, ready activation, us per
-# call; unfused 7.75 / 7.92 / 7.85 at M = 1 / 16 / 32): this tile was the best at M = 32 (6.61), 6.51 at
-# M = 16 (best 6.30) and outside the five best at M = 1 (so above 6.48; best 6.29).
+# build at start-up): the tile that did best across 1-32 rows in a sweep, though not the best at each.
 DOWN_CONFIGS: tuple[tuple[int | None, DownConfig], ...] = (
     (None, DownConfig(block_m=16, block_n=64, block_k=256, splits=4, swap_ab=True)),
 )
 # The weights-first form's tiles (`residual_gemm(pdl=True)`: one K step of `block_k` per split, so a
-# program holds a BLOCK_N x BLOCK_K weight tile, 64 KB here, read before its wait). From the H200 sweep
-# (`benchmarks/pdl_chain.py --sweep`, a layer's tail in a graph, us per layer, cuBLAS / this tile with
-# PDL): rows 1: 75.7 / 67.8, 16: 72.7 / 68.3, 32: 73.4 / 70.7, 64: 74.5 / 74.4 (the 64-row tile only
-# ties cuBLAS; the 16-row one at 64 rows gave 76.1).
+# program holds a BLOCK_N x BLOCK_K weight tile, 64 KB here, read before its wait): the tiles that won a
+# sweep of a layer's tail; the 64-row tile only ties cuBLAS.
 PDL_CONFIGS: tuple[tuple[int | None, DownConfig], ...] = (
     (32, DownConfig(block_m=16, block_n=64, block_k=512, num_warps=8, swap_ab=True, num_stages=1)),
     (None, DownConfig(block_m=64, block_n=64, block_k=512, num_warps=8, num_stages=1)),

@@ -2,10 +2,9 @@
 
 Why: a Hugging Face decoder layer runs about fifteen kernels per decode step (input norm, q/k/v,
 q_norm, k_norm, rotary, KV write, attention, o_proj, residual add, post norm, gate/up, SiLU*mul,
-down_proj, residual add). At batch 64 on a 0.6B model most of them move a few hundred kilobytes
-and cost their launch, not their bytes: measured on an H200, the four small ones around
-attention (two norms, rotary, KV write) took 9 us per layer, the two residual adds 3.3 us. On
-the eager prefill path every launch also costs 50-70 us of Python on the host. Here the layer is
+down_proj, residual add). At decode batch sizes on a small model most of them move a few hundred
+kilobytes and cost their launch, not their bytes; on the eager prefill path every launch also costs
+tens of microseconds of Python on the host. Here the layer is
 
     norm -> q/k/v GEMM -> [q_norm, k_norm, rotary, K/V cache write] -> paged attention
          -> o_proj GEMM with the residual add as its epilogue (addmm) -> norm -> gate/up GEMM
@@ -24,8 +23,8 @@ five launches up to 32 tokens (the last one `runner.layers.down_gemm`'s split-K 
 cuBLAS's split-K GEMM, reduce and copy), six up to 64 (attention counted as one; o_proj, gate/up and
 down stay cuBLAS, the post-attention norm folded into gate/up as below).
 
-On CUDA both norms' weights are folded into the merged weights after them at fuse time (`_fold_norm`,
-BRIDGE_FOLD_NORMS=0 to keep them): where no norm-GEMM kernel runs, gate/up and q/k/v run on the
+On CUDA both norms' weights are folded into the merged weights after them at fuse time (`_fold_norm`):
+where no norm-GEMM kernel runs, gate/up and q/k/v run on the
 unnormalised rows and the kernel after each applies the row's RMS scale, one launch fewer per norm.
 
 How: the layer's modules and loading stay Hugging Face's (with the norms folded, two norm weights are
@@ -52,7 +51,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from runner.config import env_int, env_switch
 from runner.layers import pdl
 from runner.layers.attention_metadata import current_forward_context
 from runner.layers.down_gemm import down_residual_supported, new_counters, residual_gemm
@@ -79,46 +77,35 @@ FUSABLE_LAYER_CLASSES = frozenset(
 FUSED_LAYERS_ON_CPU = False
 
 
-def _norm_gemm_max_rows(default: int = 64) -> int:
-    return env_int("BRIDGE_NORM_GEMM_MAX_ROWS", default, 0)
-
-
 # Steps of at most this many tokens (decode batches) run each norm + projection + epilogue as one kernel
-# (`runner.layers.norm_gemm`); larger ones keep rms_norm + cuBLAS + the epilogue kernel. Measured on an
-# H200 on W1's shapes (`benchmarks/norm_gemm.py`, us per call in one CUDA graph, fused vs the three
-# launches): q/k/v 8.1-9.1 vs 10.4-10.8 up to M = 64, 16.3 vs 11.1 at 128 (each program normalises its
-# own rows); gate/up 7.1-8.3 vs 9.4-9.8 up to M = 32 but 10.5 vs 10.1 at 64, so gate/up stops at
-# NORM_GATE_UP_MAX_ROWS. 0 disables both. The environment variable BRIDGE_NORM_GEMM_MAX_ROWS, read at
-# import, overrides the default (A/B runs in subprocesses).
-NORM_GEMM_MAX_ROWS = _norm_gemm_max_rows()
+# (`runner.layers.norm_gemm`); larger ones keep rms_norm + cuBLAS + the epilogue kernel, since each
+# program normalises its own rows and that re-read outgrows the saved launches. Gate/up stops earlier, at
+# NORM_GATE_UP_MAX_ROWS, where its wider tile stops paying. 0 disables both (tests).
+NORM_GEMM_MAX_ROWS = 64
 NORM_GATE_UP_MAX_ROWS = 32
-# Steps that take norm_gate_up_silu also run the down projection + residual as one kernel
-# (`runner.layers.down_gemm`): 6.3-6.6 us against cuBLAS's 7.8-7.9 at W1's shape on an H200, M = 1..32.
-# BRIDGE_DOWN_GEMM=0 (read at import) keeps cuBLAS (A/B runs).
-DOWN_GEMM = env_switch("BRIDGE_DOWN_GEMM")
+# Steps that take norm_gate_up_silu also run the down projection + residual as one split-K kernel
+# (`runner.layers.down_gemm`), in place of cuBLAS's split-K GEMM, its reduce and the residual copy.
+DOWN_GEMM = True
 # Like FUSED_LAYERS_ON_CPU, for the norm-GEMM kernels (tests, under TRITON_INTERPRET=1).
 NORM_GEMM_ON_CPU = False
-# Programmatic dependent launch (`runner.layers.pdl`; on by default on Hopper, BRIDGE_PDL=0 turns it off):
-# steps of up to this many tokens run o_proj and the down projection as weights-first split-K kernels
-# launched with PDL after the kernels that release them early (decode attention, SiLU*mul), so each
-# streams its weights while the kernel ahead of it ends. H200, W1's model, whole engine
-# (`benchmarks/decode_batches.py --switch BRIDGE_PDL=0:1`): 1.110x at batch 1, 1.012x at 16, 1.017x at
-# 32, 1.003x at 64 (where the kernel only ties cuBLAS), hence 32.
+# Programmatic dependent launch (`runner.layers.pdl`, Hopper and later): steps of up to this many tokens
+# run o_proj and the down projection as weights-first split-K kernels launched with PDL after the kernels
+# that release them early (decode attention, SiLU*mul), so each streams its weights while the kernel
+# ahead of it ends. Past 32 rows the kernel only ties cuBLAS.
 PDL_MAX_ROWS = 32
 # Like NORM_GEMM_ON_CPU, for the PDL kernels (tests: ordinary launches under TRITON_INTERPRET=1).
 PDL_ON_CPU = False
 # A layer's two RMSNorm weights folded into the merged q/k/v and gate/up weights at fuse time (see
 # `_fold_norm`): steps that do not take the norm-GEMM kernels then run those GEMMs on the unnormalised rows
-# and the kernel after each applies the row's RMS scale, one launch fewer per norm. BRIDGE_FOLD_NORMS=0
-# (read at import) keeps the norms' own kernels.
-FOLD_NORMS = env_switch("BRIDGE_FOLD_NORMS")
+# and the kernel after each applies the row's RMS scale, one launch fewer per norm. Tests turn it off.
+FOLD_NORMS = True
 # The fold is made for CUDA weights only, unless a test turns this on.
 FOLD_ON_CPU = False
 
 
 def _pdl_here(device: torch.device) -> bool:
-    """Whether decode steps on `device` take the PDL kernels: the switch is on and the device launches
-    with PDL (a GPU without it keeps cuBLAS; the CPU only for tests)."""
+    """Whether decode steps on `device` take the PDL kernels: the device launches with PDL (a GPU without
+    it keeps cuBLAS; the CPU only for tests)."""
     return pdl.ENABLED and (pdl.pdl_supported(device) if device.type == "cuda" else PDL_ON_CPU)
 
 
@@ -287,7 +274,7 @@ def _linear_plus_residual(residual: torch.Tensor, x: torch.Tensor, linear: torch
 
     `inplace` accumulates into `residual` itself (only for a tensor no one reads after this layer: its
     own, or its predecessor's output, see `_OWNED`): out of place, torch first copies the residual into
-    the new output, one more launch (a `memcpy32_post` kernel in a CUDA graph, 1.6 us at 64 rows).
+    the new output, one more launch (a copy kernel in every CUDA graph).
     """
     if linear.bias is None:
         if inplace:
@@ -302,8 +289,8 @@ def _linear_plus_residual(residual: torch.Tensor, x: torch.Tensor, linear: torch
 # enter layer 0 are never written). Anything else in between (a hook that replaces the output, a layer
 # left unfused) hands over an untagged tensor, which is not written.
 _OWNED = "_bridge_fused_layer_output"
-# BRIDGE_RESIDUAL_IN_PLACE=0 (read at import) copies every layer's input as before (A/B runs).
-RESIDUAL_IN_PLACE = env_switch("BRIDGE_RESIDUAL_IN_PLACE")
+# Tests: False copies every layer's input first.
+RESIDUAL_IN_PLACE = True
 
 
 def _owned_output(x: torch.Tensor) -> torch.Tensor:
@@ -393,7 +380,7 @@ def _fold_norm(norm: torch.nn.Module, w: torch.Tensor) -> bool:
     kernel after the GEMM applies `r` (`silu_mul_rownorm`, `qkv_norm_rope_write(row_scale=...)`). Every
     path stays the same model: the norm's weight becomes ones (HF's forward and the norm-GEMM kernels
     still normalise, by ones) and `w` is what the projections view. The products round to the weight's
-    dtype once here, so logits move within that dtype's rounding: a switch (BRIDGE_FOLD_NORMS=0), not an
+    dtype once here, so logits move within that dtype's rounding: a choice (`FOLD_NORMS`), not an
     identity.
     """
     if (not FOLD_NORMS or not (w.is_cuda or FOLD_ON_CPU) or tuple(norm.weight.shape) != (w.shape[1],)
@@ -434,7 +421,7 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
             counters = new_counters(down.weight.shape[0], max_rows, down.weight.device)
             layer.mlp.register_buffer("bridge_down_counters", counters, persistent=False)
             layer.mlp.bridge_down_max_rows = max_rows  # what the counters are sized for
-        if qkv_splits_configured():  # split-K q/k/v (BRIDGE_QKV_SPLITS): its arrival counters
+        if qkv_splits_configured():  # split-K q/k/v (norm_gemm.QKV_CONFIGS): its arrival counters
             attn = layer.self_attn
             heads = sum(attn.bridge_qkv_sizes) // attn.head_dim
             counters = qkv_counters(heads, NORM_GEMM_MAX_ROWS, attn.bridge_qkv_weight.device)

@@ -1,9 +1,9 @@
 """Row-wise argmax of logits in the model's dtype, in two short launches: a decode window's greedy tokens.
 
 Why: a greedy decode window (`ModelRunner.execute_decode_window`) needs only each row's argmax. Before,
-every step cast the LM head's bf16 logits into an fp32 buffer (read 19.5 MB, write 39 MB at W1's 64 x
-151,936) and ran `torch.argmax` on that (another ~22 us: torch's reduction reads at about 0.9 TB/s on an
-H200, whatever the dtype). Here the bf16 logits are read once, split over many programs per row:
+every step cast the LM head's bf16 logits into an fp32 buffer (a read and a write of twice the bytes)
+and ran `torch.argmax` on that, whose reduction reads far below the copy rate whatever the dtype. Here
+the bf16 logits are read once, split over many programs per row:
 
 - stage 1, grid (rows, CHUNKS): each program scans its slice of a row and writes its (max, first index);
 - stage 2, grid (rows,): the chunks' results, in chunk order, give the row's (max, first index).
@@ -23,7 +23,7 @@ import triton.language as tl
 from runner.layers.triton_launch import launch
 
 # Programs per row in stage 1 (a constant, so one build serves every batch size), the columns one program
-# loads per iteration, and its warps. `benchmarks/greedy_argmax.py --sweep` times other settings.
+# loads per iteration, and its warps.
 CHUNKS = 32
 BLOCK = 1024
 NUM_WARPS = 4
@@ -54,7 +54,7 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, chunk_block
     c = tl.program_id(1)
     # A chunk is a whole number of BLOCKs and its whole blocks load without a mask, so Triton can prove
     # 16-byte alignment (with the row stride, specialised) and a uniform mask: vector loads. A chunk of
-    # any length (4,748 columns at W1's vocabulary), every block masked, loaded two bytes a lane at a time.
+    # any length, every block masked, loaded two bytes a lane at a time.
     lo = c * chunk_blocks * BLOCK
     hi = tl.minimum(lo + chunk_blocks * BLOCK, n_cols)
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK * BLOCK

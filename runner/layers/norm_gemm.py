@@ -1,36 +1,31 @@
 """RMSNorm folded into the projection GEMM that follows it, for decode-sized batches (small M).
 
-Why: at decode batch sizes every kernel of a decoder layer costs a few microseconds whatever its bytes
-(measured on an H200: ~3-5 us per small launch inside a CUDA graph; a W1 decode step, Qwen3-0.6B at
-batch 64, is ~2.7 ms over 28 layers), so the lever left is the number of launches per layer. The fused
+Why: at decode batch sizes every kernel of a decoder layer costs a few microseconds whatever its bytes,
+even inside a CUDA graph, so the lever left is the number of launches per layer. The fused
 layer (`runner.layers.fused_layers`) runs two three-launch sequences per layer:
 
     rms_norm -> F.linear(q/k/v) -> qkv_norm_rope_write   (norm, projection, q/k norm + rotary + KV write)
     rms_norm -> F.linear(gate/up) -> silu_mul            (norm, projection, SiLU * up)
 
-Each becomes one Triton kernel here: 4 launches fewer per layer, 112 per W1 step. The kernels read
+Each becomes one Triton kernel here: 4 launches fewer per layer. The kernels read
 the normalised activation straight from the GEMM's input tile instead of a round trip through memory,
 and do the old third kernel's work as the GEMM's epilogue. They are built for small M: every program
 computes the RMS statistics of its rows and normalises them itself (the same work repeated by every
-column tile) and reads them twice. Measured on an H200 (`benchmarks/norm_gemm.py`, W1's shapes), one
-layer's two calls take ~15 us instead of ~20 at M <= 16 and ~20 instead of ~21 at M = 64, where the
-gate/up kernel alone is ~0.5 us slower than its three launches; at M = 128 both lose by ~5 us. Hence
-the cut-off in `runner.layers.fused_layers` (NORM_GEMM_MAX_ROWS = 64).
+column tile) and reads them twice, which outgrows the saved launches as M grows: hence the cut-offs in
+`runner.layers.fused_layers` (NORM_GEMM_MAX_ROWS, NORM_GATE_UP_MAX_ROWS).
 
 Numerics: the same rounding points as the unfused sequence. The norm takes fp32 statistics, rounds
 x * rstd to the input dtype, multiplies by the weight and rounds again (HF / `rms_norm`); the GEMM
 accumulates in fp32 and its result (plus bias) is rounded to the activation dtype, as F.linear's output
 is, before the per-head norm and rotary (`qkv_norm_rope_write`) or SiLU * up (`silu_mul`). What can
 differ is summation order only: the RMS sum of squares is reduced in chunks and the GEMM's K order is
-the kernel's, so an element can land one rounding step (1 bf16 ulp) away from the unfused sequence's
-(on the H200 at W1's shapes, M = 1..128, every output and cache element came out bitwise equal).
+the kernel's, so an element can land one rounding step (1 bf16 ulp) away from the unfused sequence's.
 
 Only bf16 / fp16 activations qualify: `tl.dot` on fp32 inputs would silently use tf32.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -38,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.config import env_int
 from runner.layers.pdl import release_dependents, use_pdl
 from runner.layers.triton_launch import launch
 
@@ -61,39 +55,19 @@ class NormGemmConfig:
     splits: int = 1  # q/k/v only: programs sharing one head's K range (see norm_qkv_rope_write)
 
 
-# Defaults per M range: (largest M, config), first match wins; None = any M. Measured on an H200 with
-# `benchmarks/norm_gemm.py --sweep` on W1's shapes (28 calls on 28 weights in one CUDA graph, us per
-# call, fused against the three launches it replaces):
-#   qkv      M=1: 8.1 vs 10.4   M=16: 8.4 vs 10.6   M=32: 8.5 vs 10.7   M=64: 9.1 vs 10.8
-#   gate_up  M=1: 7.1 vs 9.4    M=16: 7.2 vs 9.7    M=32: 8.3 vs 9.8    M=64: 10.5-10.8 vs 10.1
-# (M=128: 16 vs 11 for both, hence fused_layers.NORM_GEMM_MAX_ROWS = 64; gate_up's M >= 64 numbers are
-# with an M32 N64 K128 w8 tile, no longer a default: the engine stops gate/up at 32 rows, so a tile for
-# larger M would only be one more build at start-up.)
-# Few distinct configs on purpose: each one is a separate kernel build, and the first call builds all
-# of them (see `_launch`). The q/k/v kernel has at most Hq + 2 Hkv programs per 16 rows (32 on W1), so
-# at small M it is bound by how fast 32 SMs stream 256 KB each, whatever the tile.
+# Defaults per M range: (largest M, config), first match wins; None = any M; the tiles that won a sweep
+# on a Qwen3-0.6B-shaped layer. Few distinct configs on purpose: each one is a separate kernel build,
+# and the first call builds all of them (see `_launch`). The q/k/v kernel has at most Hq + 2 Hkv
+# programs per 16 rows, so at small M it is bound by how fast those few SMs stream their weight
+# columns, whatever the tile.
 QKV_CONFIGS: tuple[tuple[int | None, NormGemmConfig], ...] = (
     (None, NormGemmConfig(block_m=16, block_k=256, num_warps=4, num_stages=3)),
 )
 
 
-def _qkv_splits_from_env(table):
-    """QKV_CONFIGS with `splits` from BRIDGE_QKV_SPLITS when it is set (read at import; A/B runs of the
-    split-K q/k/v kernel, `benchmarks/decode_batches.py --switch BRIDGE_QKV_SPLITS=1:4`)."""
-    if "BRIDGE_QKV_SPLITS" not in os.environ:
-        return table
-    splits = env_int("BRIDGE_QKV_SPLITS", 1, 1)
-    return tuple((bound, dataclasses.replace(cfg, splits=splits)) for bound, cfg in table)
-
-
-# The q/k/v kernel's K range split over `splits` programs per head (the last to arrive reduces the
-# partials in split order and runs the epilogue): 32 programs per 16 rows leave 100 of the H200's SMs
-# idle at small batches. H200 sweep: M=1 8.97 us with 4 splits (M16 K128 w8) against 9.42 unsplit, M=16
-# 9.34 against 9.96; from M=32 on the unsplit tile is best. The whole engine did not notice (W1's model,
-# `decode_batches.py`, that split tile up to 16 rows against BRIDGE_QKV_SPLITS=1: 1.006x at batch 1,
-# 0.998x at 16, within noise), so
-# the default stays unsplit (no counters, one build fewer); BRIDGE_QKV_SPLITS=N sets every row range.
-QKV_CONFIGS = _qkv_splits_from_env(QKV_CONFIGS)
+# The q/k/v kernel may split its K range over `splits` programs per head (the last to arrive reduces the
+# partials in split order and runs the epilogue), for small batches that leave most SMs idle; the engine
+# did not measure faster with it, so the default stays unsplit (no counters, one build fewer).
 GATE_UP_CONFIGS: tuple[tuple[int | None, NormGemmConfig], ...] = (
     (16, NormGemmConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3)),
     (None, NormGemmConfig(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3)),

@@ -39,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.config import env_switch
 from runner.layers.attention_metadata import AttentionMetadata
 from runner.layers.pdl import release_dependents, use_pdl, wait_for_predecessor
 from runner.layers.triton_launch import launch
@@ -646,10 +645,10 @@ def _prefill_kernel(
 class DecodeConfig:
     """Launch parameters of the decode kernel. `num_splits=None` picks from the grid size and SM count.
 
-    Defaults from the H200 sweep (benchmarks/logs/attention_2026-11-29.log, Qwen3-0.6B shape, bf16):
-    tile 128 / 4 warps / 2 stages without a split gave 58.7 us (64% of copy bandwidth) on 64 x ~600 and
-    304 us (87%) on 256 x U[100, 2048]; splitting only lost time once (requests x KV heads) filled a wave.
-    At tile 128 a program holds ~254 registers x 128 threads, so two programs fit per SM.
+    Defaults from a sweep on a Qwen3-0.6B shape in bf16 (`benchmarks/attention.py --sweep`): tile 128 /
+    4 warps / 2 stages without a split was best on short and long contexts alike, and splitting only lost
+    time once (requests x KV heads) filled a wave. At tile 128 a program holds ~254 registers x 128
+    threads, so two programs fit per SM.
     """
 
     tile_n: int = 128
@@ -689,13 +688,13 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, config: DecodeConfig) -> int:
     """Split the key range only while (requests x KV heads) leaves resident-program slots idle.
 
-    The split count is the most that still fits one wave (a second, partly filled wave costs more than
-    the idle slots it fills), and 1 once the unsplit grid fills a wave: on the H200 every split of a
-    full wave lost time to the partial writes and the reduce. Depends on the (padded) batch size and
-    head count alone, never on sequence lengths, so a captured CUDA graph stays valid for every replay.
-    The count is a runtime argument of the kernels (only split-or-not is compiled in): eager steps that
-    mix prefills and decodes have any batch size, and a constexpr count built the kernel again, for
-    seconds, mid-traffic, whenever a server's batch met a new value.
+    The split count is the most that still fits one wave (a second, partly filled wave costs more than the
+    idle slots it fills), and 1 once the unsplit grid fills a wave: every split of a full wave lost time to
+    the partial writes and the reduce. Depends on the (padded) batch size and head count alone, never on
+    sequence lengths, so a captured CUDA graph stays valid for every replay. The count is a runtime argument
+    of the kernels (only split-or-not is compiled in): eager steps that mix prefills and decodes have any
+    batch size, and a constexpr count built the kernel again, for seconds, mid-traffic, whenever a server's
+    batch met a new value.
     """
     if config.num_splits is not None:
         return max(1, config.num_splits)
@@ -704,49 +703,17 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, device: torch.device, co
     return int(min(config.max_splits, max(1, slots // base)))
 
 
-def _env_ints(name: str, raw: str, fields: str) -> list[int]:
-    """`raw` (the value of the environment variable `name`) as the comma-separated integers `fields` names;
-    a ValueError naming the variable otherwise."""
-    count = fields.count(",") + 1
-    values = raw.split(",")
-    if len(values) == count and all(v.strip().lstrip("-").isdigit() for v in values):
-        return [int(v) for v in values]
-    raise ValueError(f"{name} must be {count} integers '{fields}', got {raw!r}")
-
-
-def prefill_config_from_env(raw: str | None) -> PrefillConfig | None:
-    """`BRIDGE_PREFILL_CONFIG="block_m,tile_n,num_warps,num_stages"` (A/B runs of the 16-bit prefill kernel's
-    launch parameters); None when unset. A malformed value is a ValueError naming it."""
-    if not raw:
-        return None
-    block_m, tile_n, warps, stages = _env_ints("BRIDGE_PREFILL_CONFIG", raw,
-                                               "block_m,tile_n,num_warps,num_stages")
-    powers = block_m & (block_m - 1) == 0 and tile_n & (tile_n - 1) == 0
-    if min(block_m, tile_n) < 16 or not powers or min(warps, stages) < 1:
-        raise ValueError(f"BRIDGE_PREFILL_CONFIG out of range: {raw!r}")
-    return PrefillConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
-
-
-_ENV_PREFILL_CONFIG = prefill_config_from_env(os.environ.get("BRIDGE_PREFILL_CONFIG"))
-
-
-#: 16-bit head_dim-128 launches for steps whose query blocks fill 128 rows (measured on an H200,
-#: `benchmarks/prefill_sources.py --paged-configs`, s17b): 32-key tiles on 4 warps beat the 64-key tile
-#: on 8 warps on every shape (1.09-1.18x: fresh prompts of 128-2048 rows and chunks over cached
-#: prefixes of 1024-3072); with nothing cached before any query (`fresh_prefill`) and a group of at most
-#: 2, 64-row programs on 2 stages gain more (1.28x on W1's 32 x 512, 1.20x on 64 x 128, 1.09x on 8 x
-#: 2048) but lose over long prefixes (0.85-0.89x), where each program re-reads the whole prefix.
+#: 16-bit head_dim-128 launches for steps whose query blocks fill 128 rows: 32-key tiles on 4 warps beat
+#: 64-key tiles on 8 warps on fresh prompts and on chunks over cached prefixes alike; with nothing cached
+#: before any query (`fresh`) and a group of at most 2, 64-row programs on 2 stages do better still, but
+#: they lose over long prefixes, where each program re-reads the whole prefix (benchmarks/attention.py).
 PREFILL_TILES_128 = PrefillConfig(block_m=128, tile_n=32, num_warps=4, num_stages=3)
 PREFILL_FRESH_64 = PrefillConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
-#: BRIDGE_PREFILL_TILES=0 keeps the earlier 128-row launch (64-key tiles, 8 warps) everywhere (A/B runs)
-PREFILL_TILES = env_switch("BRIDGE_PREFILL_TILES")
 
 
 def _default_prefill_config(
     head_dim: int, dtype: torch.dtype, max_query_len: int, group_pad: int, fresh: bool = False
 ) -> PrefillConfig:
-    if _ENV_PREFILL_CONFIG is not None and dtype != torch.float32:
-        return _ENV_PREFILL_CONFIG
     # Short queries (a mixed batch of small chunks) waste less work with fewer rows per program.
     rows_needed = triton.next_power_of_2(max(1, max_query_len)) * group_pad
     block_m = max(16, min(128, rows_needed))
@@ -754,29 +721,13 @@ def _default_prefill_config(
         return PrefillConfig(block_m=min(block_m, 64), tile_n=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return PrefillConfig(block_m=block_m, tile_n=64, num_warps=4, num_stages=3)
-    if PREFILL_TILES and head_dim == 128 and block_m == 128:
+    if head_dim == 128 and block_m == 128:
         return PREFILL_FRESH_64 if fresh and group_pad <= 2 else PREFILL_TILES_128
     return PrefillConfig(block_m=block_m, tile_n=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
 
 
-def decode_config_from_env(raw: str | None) -> DecodeConfig | None:
-    """`BRIDGE_DECODE_CONFIG="tile_n,num_warps,num_stages,programs_per_sm,bt_ahead"` (A/B runs of the 16-bit
-    decode kernel's launch parameters); None when unset. A malformed value is a ValueError naming it."""
-    if not raw:
-        return None
-    tile_n, warps, stages, per_sm, ahead = _env_ints("BRIDGE_DECODE_CONFIG", raw,
-                                                     "tile_n,num_warps,num_stages,programs_per_sm,bt_ahead")
-    if tile_n < 16 or tile_n & (tile_n - 1) or min(warps, stages, per_sm) < 1 or ahead not in (0, 1):
-        raise ValueError(f"BRIDGE_DECODE_CONFIG out of range: {raw!r}")
-    return DecodeConfig(tile_n=tile_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
-                        bt_ahead=bool(ahead))
-
-
-_ENV_DECODE_CONFIG = decode_config_from_env(os.environ.get("BRIDGE_DECODE_CONFIG"))
-
-#: 32-key tiles, 4 programs per SM, block ids a tile ahead for grids that fill one wave of those
-#: (`BRIDGE_DECODE_SMALL_TILES=0` keeps the 128-key tile there); see `_default_decode_config`
-SMALL_TILES = env_switch("BRIDGE_DECODE_SMALL_TILES")
+#: 32-key tiles, 4 programs per SM, block ids a tile ahead for grids that fill one wave of those; see
+#: `_default_decode_config`
 SMALL_TILE_CONFIG = DecodeConfig(tile_n=32, num_warps=4, num_stages=4, programs_per_sm=4, bt_ahead=True)
 
 
@@ -786,21 +737,16 @@ def _default_decode_config(
     """The decode launch for a grid of `pairs` (request, KV head) pairs on `device`.
 
     128-key tiles (2 programs per SM) by default. For grids that fill more than 3/4 of one wave of 4
-    programs per SM (3 x SMs < pairs <= 4 x SMs: 50-66 requests at 8 KV heads on an H200) at head_dim 128,
-    32-key tiles with 4 programs per SM and the block ids loaded a tile ahead (so Triton keeps 3 tiles in
-    flight): measured on an H200 (`benchmarks/decode_attention.py`), 1.07x on W1's 64 x ~580 keys, 1.19x
-    on 64 x ~290 and a tie on 64 x ~1150; W1 1.018x end to end, W2 unchanged (`generate.py`). Elsewhere
-    the same tiles lose (0.91x on 32 x ~580, 0.94x on 256 x U[100, 2048]) or win only on short contexts
-    (1.03x on 128 x ~580, a second wave), and W2, whose 65-128-request steps have long contexts, lost 1.8%
-    when they ran up to 1,024 pairs, so they stay out. A graph bucket's config can depend on its batch
-    size only, never on lengths.
+    programs per SM (3 x SMs < pairs <= 4 x SMs) at head_dim 128, 32-key tiles with 4 programs per SM and
+    the block ids loaded a tile ahead (so Triton keeps 3 tiles in flight): there the small tiles keep
+    more keys in flight per SM. Outside that band they lose (a partial wave, or a second wave of long
+    contexts), so they stay out (benchmarks/attention.py). A graph bucket's config can depend on its
+    batch size only, never on lengths.
     """
     if dtype == torch.float32:
         return DecodeConfig(tile_n=32, num_warps=4, num_stages=2)
-    if _ENV_DECODE_CONFIG is not None:
-        return _ENV_DECODE_CONFIG
     sms = _num_sms(device)
-    if SMALL_TILES and head_dim == 128 and 3 * sms < pairs <= 4 * sms:
+    if head_dim == 128 and 3 * sms < pairs <= 4 * sms:
         return SMALL_TILE_CONFIG
     return DecodeConfig()
 

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (PDL): a decode GEMM streams its weights while the kernel before it ends.
 
-Why: at decode batch sizes W1's layer spends ~34 us per step outside attention on six kernels that read
-~8 us worth of weights: each small GEMM pays its launch, its ramp and a full DRAM round trip before the
-first multiply, one after another. Hopper can start a kernel before the one ahead of it on the stream
+Why: at decode batch sizes a layer spends several times longer outside attention than reading its
+weights takes: each small GEMM pays its launch, its ramp and a full DRAM round trip before the first
+multiply, one after another. Hopper can start a kernel before the one ahead of it on the stream
 has finished (`cudaLaunchAttributeProgrammaticStreamSerialization`, Triton's `launch_pdl=True`): the
 dependent's programs become resident as the primary's programs drain, and they may do anything that
 does not read the primary's results before `griddepcontrol.wait` (Triton's `gdc_wait`), which returns
@@ -25,9 +25,8 @@ PDL and waiting) starts its dependent work only after that kernel completed, whi
 after its own wait returned, i.e. after everything before it completed.
 
 On by default where the device supports it (compute capability 9.0 or later, not the Triton interpreter,
-which has no inline assembly); `BRIDGE_PDL=0` (read at import) turns it off. Measured on an H200 with W1's
-model (`benchmarks/decode_batches.py --switch BRIDGE_PDL=0:1`): 1.110x the engine's decode speed at batch
-1, 1.01-1.02x at 16 and 32. `LAUNCH_PDL` exists for tests: with it False the same kernels
+which has no inline assembly); the gain is largest at batch 1, where launches dominate. `ENABLED` and
+`LAUNCH_PDL` exist for tests: with `LAUNCH_PDL` False the same kernels
 and tiles run with ordinary launches and without the waits, so their results must be bitwise equal.
 """
 
@@ -40,10 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.config import env_switch
-
-#: the switch (see the module docstring); read at import, like the other kernel switches
-ENABLED = env_switch("BRIDGE_PDL")
+#: tests: False keeps every step off the PDL kernels
+ENABLED = True
 #: tests only: False keeps the PDL kernels' code path but launches them normally and skips the waits
 LAUNCH_PDL = True
 

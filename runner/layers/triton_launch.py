@@ -1,7 +1,7 @@
 """One launch path for the runner's Triton kernels, so that start-up can build them all at once.
 
 Why: a cold start builds each kernel specialisation the first time a launch meets it, one after another
-(W1's model on an H200: 13 builds, 7.5 s of a 15 s construction). Triton's compiler spends most of a
+(about half of a cold construction goes to builds). Triton's compiler spends most of a
 build in native code that releases the GIL (MLIR passes, LLVM, ptxas), so builds run side by side on
 threads; what is missing is knowing the specialisations before the launches that need them.
 
@@ -34,13 +34,10 @@ logger = logging.getLogger(__name__)
 
 # Inside `build_ahead()`: the specialisations already handed to Triton in this block, by kernel (None
 # outside). Triton files a build in a kernel's in-memory cache only when the block ends, so without this
-# every later launch of the same specialisation would pay Triton's whole key computation again (about
-# 1 ms each: W1's start-up makes thousands of launches, and on a warm cache that was the pass's cost).
+# every later launch of the same specialisation would pay Triton's whole key computation again (start-up
+# makes thousands of launches, and on a warm cache that was the pass's whole cost).
 _BUILD_ONLY: ContextVar[set | None] = ContextVar("bridge_triton_build_only", default=None)
 
-# Threads for start-up kernel builds: "auto" (the default) takes min(8, usable_cores()); "0" or "1" turns
-# build-ahead off (every build in place, where a launch first meets it).
-BUILD_THREADS_ENV = "BRIDGE_KERNEL_BUILD_THREADS"
 
 
 def launch(kernel: Any, grid: Any) -> Callable[..., Any]:
@@ -89,27 +86,6 @@ def _argument_key(value: Any, exact: bool) -> Hashable:
     return (type(value).__qualname__, value)
 
 
-def build_threads_from_env() -> int:
-    """The thread count `BRIDGE_KERNEL_BUILD_THREADS` asks for (unset: "auto"; 0 or 1: off)."""
-    raw = os.environ.get(BUILD_THREADS_ENV, "auto").strip().lower()
-    if raw == "auto":
-        return min(8, usable_cores())
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        logger.warning("%s=%r is not an int or 'auto': kernel builds stay in place", BUILD_THREADS_ENV, raw)
-        return 0
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the OS has one, e.g. under taskset or
-    a container's cpuset), not the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 @contextlib.contextmanager
 def build_ahead(threads: int) -> Iterator[bool]:
     """Inside the block, `launch` builds on `threads` threads instead of launching; leaving the block
@@ -147,4 +123,4 @@ def _async_compile_mode() -> type | None:
     return AsyncCompileMode
 
 
-__all__ = ["BUILD_THREADS_ENV", "build_ahead", "build_threads_from_env", "launch"]
+__all__ = ["build_ahead", "launch"]

@@ -9,8 +9,8 @@ encoder ever runs at capture.
   (slot -1) and attend to nothing (seq_len 0).
 - Mixed graphs (`GraphBuckets` keyed by token count): any step of at most `mixed_graph_max_tokens`
   tokens, prefill chunks and decodes together. Why: an eager step launches every kernel of every
-  layer from Python, 15-25 ms of host time for a 28-layer model whatever its size, while a 512-token
-  prefill of W1's model needs about 1.5 ms of GPU; a server admitting requests as they arrive runs a
+  layer from Python, host time that for a small model is many times a short prefill's GPU time; a
+  server admitting requests as they arrive runs a
   chain of such steps, each waiting on the host. The attention kernels' grids depend only on the
   token count and the request count (both fixed per bucket), and they find each query block's
   request on the device, so the same graph replays any mix. A bucket of T tokens holds up to
@@ -135,8 +135,8 @@ class DecodeGraphs(GraphBuckets):
 
     A decode graph writes its LM-head output, in the head's dtype, into `head_logits`; the runner casts
     the rows it samples into `logits` (fp32, one row per bucket slot) after the replay, and a greedy
-    decode window takes its argmax from `head_logits` directly, without the cast (an fp32 copy of W1's
-    64 x 151,936 logits is ~30 us a step on an H200). A mixed-step graph writes `logits` itself.
+    decode window takes its argmax from `head_logits` directly, without the cast (an fp32 copy of a whole
+    vocabulary's logits per row, every step). A mixed-step graph writes `logits` itself.
     `window_tokens` holds the argmax of every step of a decode window (`ModelRunner.execute_decode_window`);
     each window's tokens are copied from it into one of two host buffers (`host_tokens`, pinned on a GPU,
     made at the first window), used in turn, so the host reads a window's tokens while the next window

@@ -10,10 +10,9 @@ The argmax reads the decode graph's logits in the head's dtype (`DecodeGraphs.he
 
 A request that reaches its `max_tokens` inside the window is still in the batch for the window's later
 steps (the graph's rows are fixed), and its tokens there are dropped. Those rows are made inert: context
-length 0 (attention reads none of its KV) and KV slot -1 (nothing written). On W2 (256 requests,
-max_tokens uniform in [100, 1024]) a request wastes half a window on average: ~4,000 row-steps whose
-attention would read about 90 MB each. Stops on EOS or stop strings cannot be known ahead; they still
-run to the window's end.
+length 0 (attention reads none of its KV) and KV slot -1 (nothing written): with mixed output lengths a
+request wastes half a window on average, and those row-steps would otherwise read their whole KV. Stops
+on EOS or stop strings cannot be known ahead; they still run to the window's end.
 """
 
 from __future__ import annotations

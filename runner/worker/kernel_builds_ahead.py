@@ -1,16 +1,15 @@
 """Start-up's Triton kernels built side by side, before the profile step and the captures need them.
 
-Why: on a cold Triton cache most of construction is building kernel specialisations, one after
-another as the profile step and then each graph capture first meets them (W1's model on an H200: 13
-builds, about 7.5 s of a 15 s construction). Here every step start-up will run executes once with its
-Triton launches only building (`runner.layers.triton_launch`): the profile's largest prefill step and
-the body of every mixed-step and decode graph bucket, on a temporary KV cache and temporary graph
-output buffers. All their builds go to one thread pool at once; leaving the block waits for them.
-The torch ops in between run for real on scratch data (so cuBLAS has picked its kernels too, and a
-capture needs one warm-up, not two); the one thing the host reads back, the profile step's sampled
-ids (argmax of scratch logits, so valid ids), is dropped.
+Why: on a cold Triton cache most of construction is building kernel specialisations, one after another as the
+profile step and then each graph capture first meets them. Here every step start-up will run executes once
+with its Triton launches only building (`runner.layers.triton_launch`): the profile's largest prefill step and
+the body of every mixed-step and decode graph bucket, on a temporary KV cache and temporary graph output
+buffers. All their builds go to one thread pool at once; leaving the block waits for them. The torch ops in
+between run for real on scratch data (so cuBLAS has picked its kernels too, and a capture needs one warm-up,
+not two); the one thing the host reads back, the profile step's sampled ids (argmax of scratch logits, so
+valid ids), is dropped.
 
-`ModelRunner.kernel_build_threads` (from BRIDGE_KERNEL_BUILD_THREADS: on by default, 0 turns it off) sets
+`ModelRunner.kernel_build_threads` (the engine option `kernel_build_threads`; 0 or 1 turns it off) sets
 the threads; any failure is logged and start-up goes on as without it: the real runs build whatever is
 missing, as they always did.
 """

@@ -1,8 +1,7 @@
 """Which of Bridge's fused kernels go into a loaded model, decided by the engine config.
 
-Each switch is a field of `EngineConfig` (defaults: on on the GPU, off on the CPU; the
-environment variables BRIDGE_FUSED_OPS / BRIDGE_FUSED_LINEAR / BRIDGE_FUSED_LAYERS=0 turn them
-off for A/B runs). They nest: merged projections need the fused ops, fused decoder layers need
+Each switch is a field of `EngineConfig` (`fused_ops`, `fused_linear`, `fused_layers`; defaults: on
+on the GPU, off on the CPU). They nest: merged projections need the fused ops, fused decoder layers need
 the merged projections.
 """
 

@@ -26,14 +26,13 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from runner.config import EngineConfig, auto_mixed_graph_max_tokens, env_switch
+from runner.config import EngineConfig, auto_mixed_graph_max_tokens
 from runner.engine.request import Request
 from runner.engine.step_io import SchedulerOutput, StepResult
 from runner.layers.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
 from runner.layers.hf_attention import ATTN_IMPLEMENTATION, register_bridge_attention
 from runner.layers.logits_head import wrap_lm_head
 from runner.layers.sampler import Sampler
-from runner.layers.triton_launch import build_threads_from_env
 from runner.multimodal.state import MultimodalState
 from runner.worker.cuda_graphs import DecodeGraphs, GraphBuckets
 from runner.worker.decode_window import (
@@ -113,12 +112,11 @@ class ModelRunner:
         self.set_max_model_len(config.max_model_len)
         self.embeds_builder = InputsEmbedsBuilder(config.max_num_batched_tokens, self.hidden_size, dtype,
                                                   device)
-        # Host tensors (prompt embeds, passthrough items) reach the device through one uploader
-        # (BRIDGE_HOST_UPLOAD=0: plain copies and the NaN check on the host, for A/B runs).
-        self.uploader = HostUploader(device) if env_switch("BRIDGE_HOST_UPLOAD") else None
+        # Host tensors (prompt embeds, passthrough items) reach the device through one uploader.
+        self.uploader = HostUploader(device)
         # Threads that build start-up's Triton kernels side by side (`runner.layers.triton_launch`);
         # 0 or 1: each is built when a launch first meets it.
-        self.kernel_build_threads = build_threads_from_env()
+        self.kernel_build_threads = config.kernel_build_threads
         self.kernels_built_ahead = False  # set by `setup` when that pass ran
         self.prompt_embeds_state = (PromptEmbedsState(max_num_seqs, self.hidden_size, dtype, device,
                                                       uploader=self.uploader)

@@ -1,8 +1,8 @@
 """Seconds and Triton builds of each phase of an engine's start-up.
 
-Why: on a fresh machine most of `LLM(...)` is Triton building kernel specialisations (0.1-1 s each), which
-a warm on-disk cache hides; a number per phase (load, profile, KV cache, graph captures, warm-up) and its
-builds says what a change to the start-up really costs (`benchmarks/construction.py`).
+Why: on a fresh machine most of `LLM(...)` is Triton building kernel specialisations, which a warm
+on-disk cache hides; a number per phase (load, profile, KV cache, graph captures, warm-up) and its builds
+says what a change to the start-up really costs (`benchmarks/generate.py` reports construction).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ a masked fill), each a couple of microseconds of GPU time between two graph repl
 nothing else. One Triton program does the same arithmetic for every row of the batch.
 
 `advance_window_step` dispatches: the kernel for CUDA tensors (or on the CPU when `ON_CPU`, tests under
-TRITON_INTERPRET=1), `advance_window_step_reference` (the torch ops, the definition) otherwise, or when
-`BRIDGE_WINDOW_ADVANCE_KERNEL=0` (read at import; A/B runs).
+TRITON_INTERPRET=1), `advance_window_step_reference` (the torch ops, the definition) otherwise, or when a
+test sets `KERNEL` False.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from runner.config import env_switch
 from runner.layers.triton_launch import launch
 
-KERNEL = env_switch("BRIDGE_WINDOW_ADVANCE_KERNEL")
+# Tests: False runs the torch-op twin (the kernel's definition) on the GPU too.
+KERNEL = True
 # Tests: run the kernel on CPU tensors (under TRITON_INTERPRET=1).
 ON_CPU = False
 # Rows a program advances: a constant, so a new batch size builds nothing.

@@ -79,5 +79,5 @@ def test_generate_accepts_or_raises_value_error(llm, batch):
         assert len(str(err)) < 600
     else:
         assert len(outs) == len(batch)
-    assert llm.num_free_blocks == llm.num_total_blocks and llm.num_free_slots == llm.num_total_slots
+    assert llm.stats().all_free
     assert not llm.has_unfinished_requests()
