@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bridge.serve.engine_flags import engine_options
 from runner.engine.warmup import warm_up_serving
 from runner.llm import LLM
 
@@ -61,13 +62,7 @@ def resolve_model(path: str | Path, verify: bool = True) -> LoadedModel:
 def build_llm(model: LoadedModel, args: argparse.Namespace) -> LLM:
     """The engine, with the checkpoint's encoders (moved to the engine's device) registered."""
     dtype = args.dtype if args.dtype != "auto" else model.dtype
-    llm = LLM(str(model.llm_dir), enable_prompt_embeds=args.enable_prompt_embeds, dtype=dtype,
-              device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-              kv_cache_memory=args.kv_cache_memory, enforce_eager=args.enforce_eager, seed=args.seed,
-              enable_prefix_caching=args.enable_prefix_caching,
-              mixed_graph_max_tokens=getattr(args, "mixed_graph_max_tokens", None))
+    llm = LLM(str(model.llm_dir), **engine_options(args, dtype=dtype))
     for encoder in model.encoders.values():
         llm.register_encoder(encoder.to(llm.device).eval())
     return llm

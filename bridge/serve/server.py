@@ -22,6 +22,7 @@ import os
 from bridge.serve.api_servers import serve_with_api_servers
 from bridge.serve.app import ServerState, build_app
 from bridge.serve.engine_build import build_ready_llm, engine_device_type, resolve_model
+from bridge.serve.engine_flags import add_engine_flags
 from bridge.serve.engine_process import EngineProcess
 from bridge.serve.ingest import DEFAULT_INLINE_BYTES
 from bridge.serve.state_builder import media_limits, server_state
@@ -72,7 +73,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the directory's name)")
-    parser.add_argument("--enable-prompt-embeds", action="store_true", help="accept prompt_embeds payloads")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file (default: the tokenizer's)")
     parser.add_argument("--allowed-local-media-path", default=None,
@@ -123,21 +123,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "torch's default on the CPU)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
-    engine = parser.add_argument_group("engine options (runner.LLM)")
-    engine.add_argument("--dtype", default="auto")
-    engine.add_argument("--device", default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--num-kv-blocks", type=int, default=None)
-    engine.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    engine.add_argument("--enable-prefix-caching", action="store_true")
-    engine.add_argument("--enforce-eager", action="store_true")
-    engine.add_argument("--mixed-graph-max-tokens", type=int, default=None,
-                        help="largest prefill/mixed step replayed from a CUDA graph (default: from the "
-                             "model's size, 512-16384; 0: eager)")
-    engine.add_argument("--seed", type=int, default=0)
+    add_engine_flags(parser)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -46,3 +46,25 @@ def test_api_processes_by_default_only_for_a_cuda_engine_in_its_own_process(monk
     assert default_api_server_count(flags(device="cuda")) == 8
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert default_api_server_count(flags(device="cuda")) == 1
+
+
+def test_engine_flags_are_the_engine_configs_fields():
+    """Every EngineConfig field but the model is a `bridge serve` flag, and the parsed flags are exactly
+    the keywords LLM(...) takes (with the engine's own defaults where a flag is not given)."""
+    import dataclasses
+
+    from bridge.serve.engine_flags import engine_options
+    from bridge.serve.server import add_serve_arguments
+    from runner.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["model", "--max-num-seqs", "3", "--no-fused-ops", "--enforce-eager",
+                              "--kernel-build-threads", "0"])
+    options = engine_options(args)
+    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    assert set(options) == set(fields)
+    assert (options["max_num_seqs"], options["fused_ops"], options["enforce_eager"]) == (3, False, True)
+    assert options["kernel_build_threads"] == 0 and options["fused_layers"] is None
+    assert options["gpu_memory_utilization"] == fields["gpu_memory_utilization"]
+    assert engine_options(args, dtype="bfloat16")["dtype"] == "bfloat16"
