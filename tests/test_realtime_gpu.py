@@ -72,10 +72,11 @@ def test_gpu_realtime_tokens_and_chunk_positions_equal_the_cpus(name, model_dir)
     assert gpu.stats().all_free
 
 
-@pytest.mark.parametrize("name", ["defaults", "async_forced"])
-def test_gpu_input_closed_mid_run_finishes_in_windows_with_the_cpus_tokens(name, model_dir):
+def test_gpu_input_closed_mid_run_finishes_in_windows_with_the_cpus_tokens(model_dir):
+    """With the GPU defaults (async scheduling stays off with an encoder: forced on, it would overlap the
+    closed request's remaining chunk gathers, which the runner does not support with multimodal input)."""
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    gpu = build(model_dir, DEVICE, dtype="float32", num_kv_blocks=64, **GPU_OPTIONS[name])
+    gpu = build(model_dir, DEVICE, dtype="float32", num_kv_blocks=64)
     got = drive(gpu, params, close_after=7)
     (want,) = _cpu_traces(model_dir, {}, 1, params, close_after=7)
     assert got.counts[:7] == want.counts[:7] == list(range(1, 8))
