@@ -34,6 +34,7 @@ from bridge.dtypes import DTYPES
 from bridge.recipe import default_output_dir, load_recipe
 from encoders.api import load_encoder
 from encoders.media_budget import MediaBudget, MediaLimits
+from runner.hf_config import text_config
 from runner.worker.progress_bars import hf_progress_bars_off
 
 _MEDIA_KEYS = tuple(PLACEHOLDERS.values())
@@ -201,8 +202,7 @@ class Bridge:
             words = dataset_vocab_words(build_datasets(recipe.data, recipe.seed)[0])
         with hf_progress_bars_off():  # writing a tiny base model, loading a pretrained tower: no bars
             llm_dir = prepare_llm_dir(recipe, out, words)
-        hidden = json.loads((llm_dir / "config.json").read_text())
-        hidden = hidden.get("hidden_size") or hidden.get("text_config", {}).get("hidden_size")
+        hidden = text_config(json.loads((llm_dir / "config.json").read_text())).get("hidden_size")
         with hf_progress_bars_off():
             encoder = build_recipe_encoder(recipe, int(hidden))
         return cls(

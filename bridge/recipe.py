@@ -560,7 +560,9 @@ def _llm_hidden_size(r: Node, problems: list[str]) -> int | None:
     if not isinstance(data, dict):
         problems.append(f"model.path: {config} is not a JSON object")
         return None
-    hidden = data.get("hidden_size") or (data.get("text_config") or {}).get("hidden_size")
+    from runner.hf_config import text_config  # here: the recipe module is on the CLI's fast paths
+
+    hidden = text_config(data).get("hidden_size")
     if not isinstance(hidden, int):
         problems.append(f"model.path: {config} has no integer hidden_size")
         return None

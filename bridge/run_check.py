@@ -83,11 +83,13 @@ def output_dir_problems(output_dir: str | Path) -> list[str]:
 
 def model_context(config: Mapping[str, Any]) -> int | None:
     """The context length a model config.json declares (its text config's for a multimodal one)."""
-    for source in (config, config.get("text_config") or {}):
-        for key in _CONTEXT_KEYS:
-            value = source.get(key) if isinstance(source, Mapping) else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
+    from runner.hf_config import text_config  # here: the run check is on the CLI's fast path
+
+    source = text_config(config)
+    for key in _CONTEXT_KEYS:
+        value = source.get(key) if isinstance(source, Mapping) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
     return None
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from runner.worker.hf_config import text_config
+from runner.hf_config import text_config
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,

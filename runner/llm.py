@@ -30,15 +30,15 @@ from runner.config import EngineConfig, check_option_names
 from runner.engine.core import EngineCore
 from runner.engine.embeds_staging import DeferredEmbeds
 from runner.engine.prompts import PromptProcessor, PromptType
-from runner.engine.request import Request
 from runner.engine.shut_down import ShutDown
-from runner.engine.warmup import warm_up
+from runner.hf_config import text_config
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
 from runner.multimodal.state import MultimodalState
 from runner.outputs import EngineStats, GenerationError, RequestOutput
+from runner.request import Request
 from runner.sampling_params import SamplingParams
-from runner.worker.hf_config import text_config
+from runner.warmup import warm_up
 from runner.worker.kernel_compiles import kernel_compiles
 from runner.worker.memory_report import memory_report
 from runner.worker.model_files import check_model_files
@@ -135,6 +135,10 @@ class LLM:
             self.warmup_seconds = warm_up(self) if config.warmup else 0.0
         # what construction built: a count that grows past this under traffic is a cold first call
         self.kernel_compiles_at_ready = self.kernel_compiles.count if self.kernel_compiles else 0
+
+    def reset_request_ids(self) -> None:
+        """Number the next requests from 0 again (warm-up's dummy requests leave no trace)."""
+        self._request_counter = itertools.count()
 
     # ----------------------------------------------------------------------------- parts
     def memory_report(self) -> dict:

@@ -17,7 +17,7 @@ import torch
 from bridge.tiny_models import build_tiny_model
 from runner import LLM, SamplingParams
 from runner.engine.embeds_staging import num_leading_prompts
-from runner.engine.prompts import ParsedPrompt
+from runner.engine.parsed_prompt import ParsedPrompt
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 LENGTHS = (9, 14, 6, 11, 8, 12)

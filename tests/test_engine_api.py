@@ -249,7 +249,7 @@ def test_prompt_logprobs_for_token_prompts_across_chunks(llm, hf_model):
 
 
 def test_abort_frees_blocks_and_slots(llm):
-    from runner.engine.request import Request
+    from runner.request import Request
 
     for i in range(3):
         llm.scheduler.add_request(Request(f"abort-{i}", i, _ids(40, i), SamplingParams(max_tokens=4)))
@@ -302,7 +302,7 @@ def test_window_tokens_stop_exactly_as_token_by_token():
     max_tokens and the context limit, with the stop anywhere in the window or past it."""
     import random
 
-    from runner.engine.request import Request
+    from runner.request import Request
 
     rng = random.Random(0)
     for case in range(600):
@@ -339,7 +339,7 @@ def test_window_tokens_stop_exactly_as_token_by_token():
 def test_output_texts_equal_the_tokenizers_decode(llm):
     """`generate`'s output texts (and the streamed ones) go through `fast_decode`, which skips HF's
     per-id input walk; each text equals the tokenizer's own `decode`."""
-    from runner.engine.request import fast_decode
+    from runner.request import fast_decode
 
     params = [SamplingParams(max_tokens=6, temperature=0.0, skip_special_tokens=i % 2 == 0) for i in range(4)]
     outs = llm.generate([{"prompt_token_ids": _ids(9, i)} for i in range(4)], params, use_tqdm=False)
@@ -354,7 +354,7 @@ def test_requests_are_entities_equal_only_to_themselves():
     """The scheduler removes finished requests from its running list by `==`: a field-wise dataclass
     comparison cost ~1 us a compare (256 retirements from the back of W2's list: 39 ms of host time, the
     GPU idle). Two requests with the same fields are different requests."""
-    from runner.engine.request import Request
+    from runner.request import Request
     from runner.sampling_params import SamplingParams
 
     def make():

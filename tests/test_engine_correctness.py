@@ -273,7 +273,7 @@ def test_pipelined_decode_windows_match_synchronous_windows(model_dirs, hf_refer
     reasons: a stop on a token of the window (or step) read drops the next window's tokens, requests
     ended by length are left out of the next window, an abort with a window in flight frees everything,
     and prefix caching keys only blocks of known tokens."""
-    from runner.engine.request import Request
+    from runner.request import Request
 
     model, prompts, expected = hf_reference["qwen3"]
     llm = LLM(model_dirs["qwen3"], dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=8,
@@ -394,8 +394,8 @@ def test_fused_rotary_matches_hf(family, hf_reference):
 def test_decode_window_stops_where_every_request_reaches_max_tokens():
     """Window steps after every running request has reached its max_tokens would only be dropped."""
     from runner.engine.block_manager import BlockManager
-    from runner.engine.request import Request
     from runner.engine.scheduler import Scheduler
+    from runner.request import Request
 
     scheduler = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=64)
     for i, (max_tokens, done) in enumerate([(5, 1), (10, 4)]):

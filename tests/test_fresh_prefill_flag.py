@@ -18,14 +18,14 @@ def model_dir(tiny_model_root):
 
 def _record(llm: LLM) -> list[tuple[int, bool]]:
     seen = []
-    forward = llm.runner._forward
+    forward = llm.runner.forward
 
     def recording(embeds, positions, meta, *args, **kwargs):
         if meta.max_query_len > 1:
             seen.append((meta.max_query_len, meta.fresh_prefill))
         return forward(embeds, positions, meta, *args, **kwargs)
 
-    llm.runner._forward = recording
+    llm.runner.forward = recording
     return seen
 
 

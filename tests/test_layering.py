@@ -65,14 +65,15 @@ def _is_type_checking_block(node: ast.AST) -> bool:
         or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
-def _runtime_nodes(tree: ast.Module, top_level_only: bool) -> list[ast.AST]:
-    """The nodes whose imports run: all of them (functions included) or the module level only,
-    less `if TYPE_CHECKING:` bodies (type hints, never imported at run time)."""
+def _runtime_nodes(tree: ast.Module, top_level_only: bool, type_only: bool = False) -> list[ast.AST]:
+    """The nodes whose imports run: all of them (functions included) or the module level only, less
+    `if TYPE_CHECKING:` bodies (type hints, never imported at run time) unless `type_only`: a reader
+    follows a type-only import as any other, so the structure checks count them."""
     out: list[ast.AST] = []
     todo: list[ast.AST] = list(tree.body)
     while todo:
         node = todo.pop()
-        if _is_type_checking_block(node):
+        if _is_type_checking_block(node) and not type_only:
             todo.extend(node.orelse)
             continue
         out.append(node)
@@ -81,17 +82,20 @@ def _runtime_nodes(tree: ast.Module, top_level_only: bool) -> list[ast.AST]:
     return out
 
 
-def import_graph(package: str, top_level_only: bool = False) -> dict[str, set[str]]:
+def import_graph(
+    package: str, top_level_only: bool = False, type_only: bool = True
+) -> dict[str, set[str]]:
     """module -> the modules of `package` it imports (AST; imports inside functions too, unless
-    `top_level_only`). `from pkg import sub` counts as importing the submodule `pkg.sub` when one
-    exists. Importing `a.b.c` also runs the `__init__` of `a.b` for a module outside `a.b`; those
-    edges are included, so a cycle through a package's `__init__` is found too."""
+    `top_level_only`), type-only imports too unless not `type_only`. `from pkg import sub` counts as
+    importing the submodule `pkg.sub` when one exists. Importing `a.b.c` also runs the `__init__` of `a.b`
+    for a module outside `a.b`; those edges are included, so a cycle through a package's `__init__` is
+    found too."""
     files = {_module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         is_package = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), filename=str(path))
-        nodes = _runtime_nodes(tree, top_level_only)
+        nodes = _runtime_nodes(tree, top_level_only, type_only)
         targets: set[str] = set()
         for node in nodes:
             if isinstance(node, ast.Import):
@@ -167,15 +171,48 @@ def test_type_checking_imports_are_not_edges():
 
 
 def test_runner_top_level_is_the_public_api_and_subpackages():
-    """runner/ holds only its public API modules and subpackages; no module of it, Triton kernel
+    """runner/ holds its public API modules, the types the engine and the worker both speak (the request,
+    the step's plan and result, the HF config reader) and its subpackages; no module of it, Triton kernel
     files aside, is over 500 lines."""
     top = sorted(p.name for p in (ROOT / "runner").iterdir() if p.name != "__pycache__")
-    assert top == ["__init__.py", "config.py", "engine", "layers", "llm.py", "multimodal", "outputs.py",
-                   "sampling_params.py", "worker"]
+    assert top == ["__init__.py", "config.py", "engine", "hf_config.py", "layers", "llm.py", "multimodal",
+                   "outputs.py", "request.py", "sampling_params.py", "step_io.py", "warmup.py", "worker"]
     texts = {p: p.read_text() for p in (ROOT / "runner").rglob("*.py")}
     long = [str(p.relative_to(ROOT)) for p, text in texts.items()
             if len(text.splitlines()) > 500 and "@triton.jit" not in text]
     assert not long, f"over 500 lines: {long}"
+
+
+#: runner's floors, top down: a module imports (type-only imports included) only modules of its own floor
+#: or of floors below it
+RUNNER_FLOORS = (
+    ("runner.llm", "runner.warmup"),  # the offline API over the engine
+    ("runner.engine",),  # requests, scheduling, the core that owns a step
+    ("runner.worker",),  # the model and everything on the device
+    ("runner.multimodal",),  # encoder protocol, encoder cache, item tables
+    ("runner.layers",),  # attention and kernels
+    ("runner.config", "runner.request", "runner.step_io", "runner.outputs", "runner.sampling_params",
+     "runner.hf_config"),  # the types every floor speaks
+)
+
+
+def _floor(module: str) -> int | None:
+    for i, prefixes in enumerate(RUNNER_FLOORS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None  # runner/__init__.py: the lazy public face
+
+
+def test_runner_imports_only_run_down_its_floors():
+    """The engine above the worker, the worker above multimodal and the layers, all above the shared
+    types: nothing imports back up, type hints included."""
+    up = []
+    for module, targets in import_graph("runner").items():
+        floor = _floor(module)
+        for target in targets:
+            if floor is not None and _floor(target) is not None and _floor(target) < floor:
+                up.append(f"{module} -> {target}")
+    assert not up, "imports back up: " + ", ".join(sorted(up))
 
 
 def test_encoders_registry_is_a_leaf():

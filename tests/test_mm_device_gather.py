@@ -159,7 +159,7 @@ def _engine(model_dir, path: str, device: str = "cpu", **kw) -> tuple[LLM, list[
         mm.items = ItemTable(slots, HIDDEN, torch.float32, device, use_triton=use_triton)
     seen: list[torch.Tensor] = []
     steps: list[bool] = []
-    forward, launch = runner._forward, runner.launch
+    forward, launch = runner.forward, runner.launch
 
     def spy_forward(embeds, *args, **kwargs):
         seen.append(embeds.clone())
@@ -181,7 +181,7 @@ def _engine(model_dir, path: str, device: str = "cpu", **kw) -> tuple[LLM, list[
         steps.append(old.has_embeds)
         return step
 
-    runner._forward, runner.launch = spy_forward, checked_launch
+    runner.forward, runner.launch = spy_forward, checked_launch
     return llm, steps
 
 

@@ -110,13 +110,13 @@ def test_mrope_engine_matches_transformers(model_dir, hf_model, chunked):
     embeds_id = llm.get_tokenizer().convert_tokens_to_ids("<embeds>")
     image, item = _inputs()
     seen: list[torch.Tensor] = []
-    forward = llm.runner._forward
+    forward = llm.runner.forward
 
     def spy(embeds, positions, *args, **kwargs):
         seen.append(positions.detach().clone().cpu())
         return forward(embeds, positions, *args, **kwargs)
 
-    llm.runner._forward = spy
+    llm.runner.forward = spy
     prompt = {"prompt": TEXT, "multi_modal_data": {"image": [image], "prompt_embeds": [item]}}
     out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     ref_pos, delta, ref_tokens = _reference(hf_model, enc, out.prompt_token_ids, image, item, embeds_id)
@@ -189,7 +189,7 @@ def _generate_recording_positions(llm, prompts):
     """Generate, and return each request's fed positions as one (3, n) tensor (1-D rows expanded)."""
     steps: list[tuple[list[str], list[int]]] = []
     seen: list[torch.Tensor] = []
-    launch, forward = llm.runner.launch, llm.runner._forward
+    launch, forward = llm.runner.launch, llm.runner.forward
 
     def spy_launch(so, prev=None):
         steps.append(([r.request_id for r in so.requests], list(so.num_scheduled_tokens)))
@@ -199,7 +199,7 @@ def _generate_recording_positions(llm, prompts):
         seen.append(positions.detach().clone().cpu())
         return forward(embeds, positions, *args, **kwargs)
 
-    llm.runner.launch, llm.runner._forward = spy_launch, spy_forward
+    llm.runner.launch, llm.runner.forward = spy_launch, spy_forward
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert len(steps) == len(seen)  # eager on the CPU: one forward per launched step
     per_request: dict[str, list[torch.Tensor]] = {}

@@ -117,13 +117,13 @@ def test_media_and_user_rows_reach_the_model_bit_exact(model_dir):
     image, item = _image(2, 3, seed=1), _rows(5, seed=2)
     whole = _rows(9, seed=3)
     seen: list[torch.Tensor] = []
-    forward = llm.runner._forward
+    forward = llm.runner.forward
 
     def spy(embeds, *args, **kwargs):
         seen.append(embeds.detach().clone())
         return forward(embeds, *args, **kwargs)
 
-    llm.runner._forward = spy
+    llm.runner.forward = spy
     mm_prompt = {"prompt": TEXT, "multi_modal_data": {"image": [image], "prompt_embeds": [item]}}
     outs = llm.generate([mm_prompt, {"prompt_embeds": whole}, {"prompt_token_ids": [5, 6, 7]}], GREEDY,
                         use_tqdm=False)

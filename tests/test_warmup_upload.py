@@ -65,7 +65,7 @@ def test_warm_up_leaves_nothing_in_the_prefix_cache(model_dir, one_cpu_thread):
 def test_serving_warm_up_prefills_every_query_length_class_and_leaves_no_trace(model_dir, one_cpu_thread):
     """The server's extra warm-up: one step per power of two of the longest query (the prefill
     kernel's compile-time row block), embeds and ids; forgotten like the construction warm-up."""
-    from runner.engine.warmup import SERVING_PROMPT_LENGTHS, warm_up_serving
+    from runner.warmup import SERVING_PROMPT_LENGTHS, warm_up_serving
 
     llm = LLM(model_dir, enable_prompt_embeds=True, num_kv_blocks=64, warmup=False)
     fresh = _counters(llm)

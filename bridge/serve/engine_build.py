@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from bridge.serve.engine_flags import engine_options
-from runner.engine.warmup import warm_up_serving
 from runner.llm import LLM
+from runner.warmup import warm_up_serving
 
 logger = logging.getLogger("bridge.serve")
 

@@ -38,8 +38,8 @@ from bridge.serve.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from runner.engine.request import IncrementalDetokenizer
 from runner.outputs import RequestDelta
+from runner.request import IncrementalDetokenizer
 from runner.sampling_params import SamplingParams
 
 RETRY_AFTER_S = "1"

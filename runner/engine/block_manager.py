@@ -16,7 +16,7 @@ import hashlib
 from collections import deque
 from collections.abc import Sequence
 
-from runner.engine.request import Request
+from runner.request import Request
 
 
 def block_hash(parent_hash: bytes | None, token_ids: Sequence[int], embeds_hash: bytes | None) -> bytes:

@@ -61,12 +61,12 @@ from typing import Any
 from runner.config import EngineConfig
 from runner.engine.block_manager import BlockManager
 from runner.engine.prefix_cache import PrefixCachingBlockManager
-from runner.engine.request import Request, RequestStatus
 from runner.engine.scheduler import Scheduler
-from runner.engine.step_io import SchedulerOutput
 from runner.multimodal.encoder_cache import EncoderFailure
 from runner.multimodal.state import MultimodalState
 from runner.outputs import RequestDelta
+from runner.request import Request, RequestStatus
+from runner.step_io import SchedulerOutput
 from runner.worker.decode_window import LaunchedWindow
 from runner.worker.model_runner import ModelRunner
 from runner.worker.step_sampling import LaunchedStep

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runner.engine.request import Request
 from runner.multimodal.placeholders import tensors_fit_dtype
+from runner.request import Request
 from runner.worker.host_upload import HostUploader
 
 if TYPE_CHECKING:  # the processor calls this module, not the other way round
-    from runner.engine.prompts import ParsedPrompt
+    from runner.engine.parsed_prompt import ParsedPrompt
 
 
 def refuse_not_finite(bad: list[int], dtype: torch.dtype | None, first_index: int = 0) -> None:

@@ -26,8 +26,8 @@ from collections import OrderedDict
 import torch
 
 from runner.engine.block_manager import BlockManager, block_hash
-from runner.engine.request import Request
 from runner.multimodal.encoder_protocol import tensor_content_hash
+from runner.request import Request
 
 
 def block_embeds_hash(request: Request, start: int, end: int) -> bytes | None:

@@ -11,7 +11,6 @@ any request, so a rejected call leaves the engine exactly as it was.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,10 +23,9 @@ from runner.engine.embeds_staging import (
     stage_calls_as_one,
     stage_or_check,
 )
-from runner.engine.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, Request
+from runner.engine.parsed_prompt import ParsedPrompt
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY
 from runner.multimodal.placeholders import (
-    ExpandedPrompt,
     PassthroughBatch,
     check_dense_tensor,
     expand_mm_prompt,
@@ -35,6 +33,7 @@ from runner.multimodal.placeholders import (
 )
 from runner.multimodal.prompt_text import split_at_placeholders
 from runner.multimodal.state import MultimodalState
+from runner.request import PLACEHOLDER_TOKEN_ID, IncrementalDetokenizer, Request
 from runner.sampling_params import SamplingParams
 from runner.worker.host_upload import HostUploader
 from runner.worker.model_states import ModelState
@@ -43,17 +42,6 @@ PromptType = str | dict[str, Any]
 
 _PROMPT_KEYS = {"prompt", "prompt_token_ids", "prompt_embeds", "prompt_is_token_ids", "multi_modal_data"}
 _MM_PROMPT_KEYS = {"prompt", "prompt_token_ids", "multi_modal_data", "multi_modal_uuids"}
-
-
-@dataclass
-class ParsedPrompt:
-    """A validated prompt: its ids (placeholder id at embedding rows), embeds, mask, media."""
-
-    text: str | None
-    token_ids: list[int]
-    embeds: torch.Tensor | None = None
-    is_token_ids: torch.Tensor | None = None
-    mm: ExpandedPrompt | None = None
 
 
 class PromptProcessor:

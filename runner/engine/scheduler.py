@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Callable
 
 from runner.engine.block_manager import BlockManager
-from runner.engine.request import Request, RequestStatus
-from runner.engine.step_io import SchedulerOutput, StepResult
+from runner.request import Request, RequestStatus
+from runner.step_io import SchedulerOutput, StepResult
 
 
 class Scheduler:

@@ -14,15 +14,12 @@ from typing import Any
 
 import torch
 
-
-def _text_config(config: Any) -> Any:
-    getter = getattr(config, "get_text_config", None)
-    return getter() if callable(getter) else config
+from runner.hf_config import text_config
 
 
 def final_logits_ops(config: Any) -> tuple[float | None, float | None, float | None]:
     """(divide_by, multiply_by, softcap) the family applies after its LM head, None where it does not."""
-    text = _text_config(config)
+    text = text_config(config)
     divide = getattr(text, "logits_scaling", None)
     multiply = getattr(text, "logit_scale", None)
     softcap = getattr(text, "final_logit_softcapping", None)

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from runner.engine.request import Request
 from runner.multimodal.encoder_cache import (
     EncoderCache,
     MultiModalFeature,
@@ -39,6 +38,7 @@ from runner.multimodal.encoder_cache import (
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol, check_encoders
 from runner.multimodal.item_table import ItemTable
 from runner.multimodal.mrope import compute_mrope_positions, mrope_positions_window
+from runner.request import Request
 
 
 @dataclass(eq=False)

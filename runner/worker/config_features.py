@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from runner.worker.hf_config import text_config as _text_config
+from runner.hf_config import text_config as _text_config
 
 # -- config inspection -------------------------------------------------------------------------------------
 

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runner.engine.step_io import SchedulerOutput
 from runner.layers.greedy_argmax import greedy_argmax
+from runner.step_io import SchedulerOutput
 from runner.worker.step_sampling import LaunchedStep
 from runner.worker.window_advance import advance_window_step
 
-if TYPE_CHECKING:  # the runner calls this module, not the other way round
-    from runner.worker.model_runner import ModelRunner
+if TYPE_CHECKING:
+    from runner.worker.runner_parts import RunnerParts
 
 
 @dataclass
@@ -45,7 +45,7 @@ class LaunchedWindow:
 
 
 @torch.inference_mode()
-def launch_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int,
+def launch_decode_window(runner: RunnerParts, so: SchedulerOutput, k: int,
                          prev: LaunchedWindow | LaunchedStep | None = None) -> LaunchedWindow:
     """Queue `k` greedy decode steps of `so`'s requests and the copy of their tokens to the host; no sync.
 
@@ -54,7 +54,7 @@ def launch_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int,
     last row of `window_tokens` (the host's token table does not have it yet). A step (async scheduling):
     the token it samples for each request is copied from its sampled ids by the runner's pending-token feed,
     as for a step launched behind it. Every step replays the decode graph of the batch's bucket."""
-    sd = runner._stage(so)
+    sd = runner.stage(so)
     v, r, bucket, bs = sd.views, sd.r, sd.bucket, runner.block_size
     assert bucket is not None and sd.single_token and len(sd.sample_rows) == r
     mm = runner.mm
@@ -100,7 +100,7 @@ def launch_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int,
                           host[:k, :r], copied)
 
 
-def finish_decode_window(runner: ModelRunner, window: LaunchedWindow) -> list[list[int]]:
+def finish_decode_window(runner: RunnerParts, window: LaunchedWindow) -> list[list[int]]:
     """Wait for `window`'s tokens (the one host sync) and return the `k` tokens of each request (the caller
     drops those after a stop); they also go into the token table of each request still in its slot."""
     if window.copied is not None:
@@ -113,7 +113,7 @@ def finish_decode_window(runner: ModelRunner, window: LaunchedWindow) -> list[li
     return out
 
 
-def run_decode_window(runner: ModelRunner, so: SchedulerOutput, k: int) -> list[list[int]]:
+def run_decode_window(runner: RunnerParts, so: SchedulerOutput, k: int) -> list[list[int]]:
     """`k` greedy decode steps of `so`'s requests, then their tokens: launch and finish in one."""
     return finish_decode_window(runner, launch_decode_window(runner, so, k))
 

@@ -30,15 +30,15 @@ from runner.worker.cuda_graphs import mixed_graph_token_sizes
 from runner.worker.memory_profile import largest_step_on_scratch_cache
 from runner.worker.step_graphs import decode_graph_body, decode_graph_sizes, mixed_graph_body
 
-if TYPE_CHECKING:  # type hints only: the runner calls this module, not the other way round
-    from runner.engine.step_io import SchedulerOutput
-    from runner.worker.model_runner import ModelRunner
+if TYPE_CHECKING:
+    from runner.step_io import SchedulerOutput
+    from runner.worker.runner_parts import RunnerParts
 
 logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def build_startup_kernels(runner: ModelRunner, *, graphs: bool) -> bool:
+def build_startup_kernels(runner: RunnerParts, *, graphs: bool) -> bool:
     """Build the kernels of the profile step and (with `graphs`) of every graph bucket's body at once, on
     `runner.kernel_build_threads` threads. Returns whether the pass ran to its end."""
     try:
@@ -58,7 +58,7 @@ def build_startup_kernels(runner: ModelRunner, *, graphs: bool) -> bool:
             torch.cuda.empty_cache()
 
 
-def _run_startup_steps(runner: ModelRunner, largest_step: Callable[[], SchedulerOutput],
+def _run_startup_steps(runner: RunnerParts, largest_step: Callable[[], SchedulerOutput],
                        graphs: bool) -> None:
     """The profile's step and the prompt-embeds overlay, then every mixed-step and decode graph body (on
     temporary output buffers: the capture allocates its own)."""

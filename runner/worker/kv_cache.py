@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runner.hf_config import text_config
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -28,7 +30,7 @@ class KVCacheSpec:
 
     @classmethod
     def from_config(cls, config, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         num_kv = getattr(text, "num_key_value_heads", None) or num_heads

@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runner.engine.request import Request
-from runner.engine.step_io import SchedulerOutput
+from runner.request import Request
 from runner.sampling_params import SamplingParams
+from runner.step_io import SchedulerOutput
 from runner.worker.kv_cache import allocate_kv_caches
 
-if TYPE_CHECKING:  # type hints only: the runner calls this module, not the other way round
-    from runner.worker.model_runner import ModelRunner
+if TYPE_CHECKING:
+    from runner.worker.runner_parts import RunnerParts
 
 
 @torch.inference_mode()
-def profile_peak_memory(runner: ModelRunner, *, force: bool = False) -> int:
+def profile_peak_memory(runner: RunnerParts, *, force: bool = False) -> int:
     """Activation peak of the largest step (CUDA): sizes the KV cache under a memory budget.
 
     Runs one full step through the runner's normal path (`execute`): `max_num_batched_tokens` prompt
@@ -52,7 +52,7 @@ def profile_peak_memory(runner: ModelRunner, *, force: bool = False) -> int:
 
 
 @contextlib.contextmanager
-def largest_step_on_scratch_cache(runner: ModelRunner) -> Iterator[Callable[[], SchedulerOutput]]:
+def largest_step_on_scratch_cache(runner: RunnerParts) -> Iterator[Callable[[], SchedulerOutput]]:
     """The runner on a temporary KV cache just big enough for its largest step: `max_num_batched_tokens`
     prompt tokens over as few requests as the context allows. Yields a maker of that step (new requests
     each call); puts back the runner's KV cache, step counter and known block tables after."""
@@ -72,7 +72,7 @@ def largest_step_on_scratch_cache(runner: ModelRunner) -> Iterator[Callable[[], 
         runner.num_forward_steps = saved_steps
 
 
-def _largest_step(runner: ModelRunner, lens: list[int]) -> SchedulerOutput:
+def _largest_step(runner: RunnerParts, lens: list[int]) -> SchedulerOutput:
     """One prefill step of requests of `lens` tokens, their blocks laid out in turn from block 0."""
     reqs: list[Request] = []
     next_block = 0

@@ -27,13 +27,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from runner.config import EngineConfig, auto_mixed_graph_max_tokens
-from runner.engine.request import Request
-from runner.engine.step_io import SchedulerOutput, StepResult
+from runner.hf_config import text_config
 from runner.layers.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
 from runner.layers.hf_attention import ATTN_IMPLEMENTATION, register_bridge_attention
 from runner.layers.logits_head import wrap_lm_head
 from runner.layers.sampler import Sampler
 from runner.multimodal.state import MultimodalState
+from runner.request import Request
+from runner.step_io import SchedulerOutput, StepResult
 from runner.worker.cuda_graphs import DecodeGraphs, GraphBuckets
 from runner.worker.decode_window import (
     LaunchedWindow,
@@ -41,7 +42,6 @@ from runner.worker.decode_window import (
     launch_decode_window,
     run_decode_window,
 )
-from runner.worker.hf_config import text_config
 from runner.worker.host_upload import HostUploader
 from runner.worker.inputs_embeds import InputsEmbedsBuilder
 from runner.worker.kernel_builds_ahead import build_startup_kernels
@@ -281,9 +281,9 @@ class ModelRunner:
         """The dtype the LM head computes its logits in (the decode graphs' `head_logits`)."""
         return self.lm_head.weight.dtype
 
-    def _forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_indices: torch.Tensor | None, to_float: bool = True,
-                 logits_out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor | None, *, to_float: bool = True,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """Decoder + LM head; fp32 logits, or the head's dtype (`to_float=False`), or written into
         `logits_out` (a plain bias-free head writes there directly, with no temporary)."""
         # positions: (T,) or, on M-RoPE models, (3, T) -> position_ids (3, 1, T).
@@ -306,7 +306,7 @@ class ModelRunner:
         """Whether a decode step of `num_reqs` requests has a captured graph bucket."""
         return self.decode_graphs.bucket(num_reqs) is not None
 
-    def _stage(self, so: SchedulerOutput) -> StagedStep:
+    def stage(self, so: SchedulerOutput) -> StagedStep:
         """Write the step's inputs into the pinned staging buffers and start their upload."""
         reqs = so.requests
         r = len(reqs)
@@ -405,7 +405,7 @@ class ModelRunner:
         `prev`'s sampled ids into this step's input ids. The sampled ids (and logprobs) start
         their copy to the host; `finish` waits for it.
         """
-        sd = self._stage(so)
+        sd = self.stage(so)
         v, t, r, bucket, sample_rows = sd.views, sd.t, sd.r, sd.bucket, sd.sample_rows
         self.token_feed.feed(so, sd, prev)
         positions = v.positions
@@ -445,7 +445,7 @@ class ModelRunner:
                 fresh_prefill=bool(((sd.seq_lens == sd.nsched) | (sd.nsched <= 1)).all()),
                 query_start_loc_cpu=[0, *sd.cu.tolist()], seq_lens_cpu=sd.seq_lens.tolist(),
             )
-            logits = self._forward(embeds, positions, meta, v.logits_indices)
+            logits = self.forward(embeds, positions, meta, v.logits_indices)
         self.num_forward_steps += 1
 
         step = sample_on_device(self.sampler, so, logits[: len(sample_rows)], self.eos_token_ids)

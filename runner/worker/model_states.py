@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from runner.hf_config import text_config as _text_config
 from runner.multimodal.mrope import MRopeItem, compute_mrope_positions
 from runner.worker.config_features import (
     HYBRID_MODEL_TYPES,
@@ -44,7 +45,6 @@ from runner.worker.config_features import (
     _uses_mrope,
     unsupported_config_feature,
 )
-from runner.worker.hf_config import text_config as _text_config
 
 
 class ModelState:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.engine.step_io import SchedulerOutput
+from runner.step_io import SchedulerOutput
 from runner.worker.staging import StagedStep
 from runner.worker.step_sampling import LaunchedStep
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner.engine.step_io import SchedulerOutput
+from runner.step_io import SchedulerOutput
 
 
 def prompt_logprob_rows(so: SchedulerOutput, nc: np.ndarray,

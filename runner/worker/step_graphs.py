@@ -17,8 +17,8 @@ from runner.config import MAX_DECODE_WINDOW
 from runner.layers.attention_metadata import AttentionMetadata
 from runner.worker.cuda_graphs import cuda_graph_batch_sizes, mixed_graph_token_sizes
 
-if TYPE_CHECKING:  # type hints only: the runner calls this module, not the other way round
-    from runner.worker.model_runner import ModelRunner
+if TYPE_CHECKING:
+    from runner.worker.runner_parts import RunnerParts
 
 logger = logging.getLogger(__name__)
 
@@ -26,12 +26,12 @@ logger = logging.getLogger(__name__)
 MIXED_GRAPH_MIN_QUERY_ROWS = 64
 
 
-def decode_graph_sizes(runner: ModelRunner) -> list[int]:
+def decode_graph_sizes(runner: RunnerParts) -> list[int]:
     """The decode graphs' batch-size buckets: up to the most requests one step can hold."""
     return cuda_graph_batch_sizes(min(runner.max_num_seqs, runner.max_num_batched_tokens))
 
 
-def decode_graph_body(runner: ModelRunner, b: int) -> Callable[[], None]:
+def decode_graph_body(runner: RunnerParts, b: int) -> Callable[[], None]:
     """The work a decode graph of bucket `b` replays, on the fixed views of that bucket."""
     st = runner.staging
     v = st.views(st.dev64, st.dev32, b, b, runner.max_blocks_per_req, 0)
@@ -48,12 +48,12 @@ def decode_graph_body(runner: ModelRunner, b: int) -> Callable[[], None]:
 
     def body() -> None:
         # The head writes its own dtype's logits straight into the fixed buffer (see DecodeGraphs).
-        runner._forward(embeds, v.positions, meta, None, logits_out=runner.decode_graphs.head_logits[:b])
+        runner.forward(embeds, v.positions, meta, None, logits_out=runner.decode_graphs.head_logits[:b])
 
     return body
 
 
-def mixed_graph_body(runner: ModelRunner, tokens: int) -> Callable[[], None]:
+def mixed_graph_body(runner: RunnerParts, tokens: int) -> Callable[[], None]:
     """The work a mixed-step graph of `tokens` tokens replays: the decoder over `tokens` rows and the LM
     head over one row per request slot (sampled rows first, `logits_indices`)."""
     st = runner.staging
@@ -76,14 +76,14 @@ def mixed_graph_body(runner: ModelRunner, tokens: int) -> Callable[[], None]:
     embeds = runner.embeds_builder.dummy_inputs_embeds(tokens)
 
     def body() -> None:
-        logits = runner._forward(embeds, v.positions, meta, v.logits_indices, to_float=False)
+        logits = runner.forward(embeds, v.positions, meta, v.logits_indices, to_float=False)
         runner.decode_graphs.logits[:rows].copy_(logits)
 
     return body
 
 
 @torch.inference_mode()
-def capture_step_graphs(runner: ModelRunner, *, emulate: bool = False) -> None:
+def capture_step_graphs(runner: RunnerParts, *, emulate: bool = False) -> None:
     """Capture the mixed-step graphs, then a decode graph per batch-size bucket, in one memory pool; on
     the CPU only with `emulate=True` (tests), where "replay" runs the same body eagerly.
 

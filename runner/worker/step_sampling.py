@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runner.engine.step_io import SchedulerOutput, StepResult
 from runner.layers.sampler import Sampler, SamplingBatch
 from runner.sampling_params import SamplingParams
+from runner.step_io import SchedulerOutput, StepResult
 
 
 @dataclass

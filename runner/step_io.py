@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runner.engine.request import Request
+from runner.request import Request
 
 
 @dataclass

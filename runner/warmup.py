@@ -16,22 +16,45 @@ for any request.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from runner.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the LLM calls this module, not the other way round
-    from runner.llm import LLM
+if TYPE_CHECKING:
+    from runner.config import EngineConfig
+    from runner.engine.core import EngineCore
+    from runner.multimodal.state import MultimodalState
+    from runner.outputs import RequestOutput
+    from runner.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-def _counter_owners(llm: LLM) -> list[Any]:
+class WarmUpTarget(Protocol):
+    """What warm-up uses of `runner.llm.LLM` (which meets it structurally)."""
+
+    core: EngineCore
+    mm: MultimodalState
+    engine_config: EngineConfig
+    device: torch.device
+    max_model_len: int
+    enable_prompt_embeds: bool
+    hidden_size: int
+
+    @property
+    def runner(self) -> ModelRunner: ...
+
+    def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]: ...
+
+    def reset_request_ids(self) -> None: ...
+
+
+def _counter_owners(llm: WarmUpTarget) -> list[Any]:
     core = llm.core
     owners = [llm, core, core.scheduler, core.runner, getattr(core.scheduler, "block_manager", None),
               llm.mm, getattr(llm.mm, "cache", None), core.runner.uploader, core.runner.token_feed]
@@ -44,7 +67,7 @@ def _snapshot(owners: list[Any]) -> list[tuple[Any, str, int]]:
             if k.startswith("num_") and type(v) is int]
 
 
-def warm_up_prompts(llm: LLM) -> tuple[list[Any], list[SamplingParams]]:
+def warm_up_prompts(llm: WarmUpTarget) -> tuple[list[Any], list[SamplingParams]]:
     """The dummy requests: one long prompt alone, a batch of short ones (embeds and ids mixed, decoded
     a few steps so prefills and decodes share steps), and one sampled request."""
     vocab = llm.runner.vocab_size
@@ -75,7 +98,7 @@ prefill kernel's row-block class is a compile-time choice made from it) up to th
 construction warm-up meets."""
 
 
-def warm_up(llm: LLM) -> float:
+def warm_up(llm: WarmUpTarget) -> float:
     """Run the warm-up requests through `llm.generate`, then restore the counters; returns seconds."""
     if llm.max_model_len < 48:  # too short a context for the dummy prompts: nothing to gain
         return 0.0
@@ -84,7 +107,7 @@ def warm_up(llm: LLM) -> float:
     return _forgotten_calls(llm, [(prompts[:1], params[:1]), (prompts[1:], params[1:])])
 
 
-def warm_up_serving(llm: LLM) -> float:
+def warm_up_serving(llm: WarmUpTarget) -> float:
     """What a server meets beyond `warm_up`: a prefill step of each query-length class (a burst's
     chunk remainders, one short prompt joining a decoding batch). A server calls it before accepting
     traffic, so a request never waits for a kernel build (most of a second each, cold); an
@@ -102,7 +125,7 @@ def warm_up_serving(llm: LLM) -> float:
     return _forgotten_calls(llm, calls)
 
 
-def _forgotten_calls(llm: LLM, calls: list[tuple[list[Any], list[SamplingParams]]]) -> float:
+def _forgotten_calls(llm: WarmUpTarget, calls: list[tuple[list[Any], list[SamplingParams]]]) -> float:
     """Run each (prompts, params) through `llm.generate`, then forget them (counters, prefix cache,
     request ids); returns the seconds taken."""
     t0 = time.perf_counter()
@@ -115,7 +138,7 @@ def _forgotten_calls(llm: LLM, calls: list[tuple[list[Any], list[SamplingParams]
     block_manager = getattr(llm.core.scheduler, "block_manager", None)
     if hasattr(block_manager, "reset_prefix_cache"):
         block_manager.reset_prefix_cache()
-    llm._request_counter = itertools.count()
+    llm.reset_request_ids()
     if llm.device.type == "cuda":
         torch.cuda.synchronize(llm.device)
     seconds = time.perf_counter() - t0
