@@ -346,18 +346,19 @@ def matmul_rate(device: torch.device, smoke: bool) -> float:
     for n in (4096, 6144, 8192, 12288, 16384):
         a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
         b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+        out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
         for _ in range(3):
-            a @ b
+            torch.mm(a, b, out=out)
         iters = max(10, int(4e14 // (2 * n**3)))
         for _ in range(3):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(iters):
-                a @ b
+                torch.mm(a, b, out=out)
             end.record()
             end.synchronize()
             best = max(best, 2 * n**3 * iters / (start.elapsed_time(end) / 1e3))
-        del a, b
+        del a, b, out
     return best
 
 
@@ -607,6 +608,14 @@ def main() -> None:
                 if trainer is not None:
                     free(trainer)
                 del trainer
+    # Measured again once every contender has run: the lasting load may have brought the clocks to a
+    # rate the first measurement missed, and MFU's denominator is the best rate seen in this run.
+    end_rate = matmul_rate(device, args.smoke)
+    print(f"bf16 matmul rate at the end {end_rate / 1e12:.1f} TFLOP/s", flush=True)
+    if end_rate > rate:
+        rate = end_rate
+        for r in results.values():
+            r["mfu_pct"] = 100 * r["flops_per_step"] / r["s_per_step"] / rate
     summary(results, rate, args)
     if args.json:
         Path(args.json).write_text(
