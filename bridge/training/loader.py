@@ -62,8 +62,8 @@ __all__ = [
     "resolve_num_workers",
 ]
 
-#: the auto worker count's ceiling: drawing + open_clip preprocessing of a 32-image micro-batch is
-#: ~60 ms on one core, so four workers keep ahead of steps down to ~15 ms
+#: the auto worker count's ceiling: decoding and preprocessing a micro-batch of images on one core
+#: takes several short steps' time, and four workers keep ahead of the steps the trainer runs
 MAX_AUTO_WORKERS = 4
 
 
