@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.envs import TRACEBACK
+
 DEMO_DIR = Path(__file__).resolve().parents[1] / "recipes" / "demo"
 DEMOS = ("shapes", "tones", "graphs")
 OVERRIDES_HELP = (
@@ -303,12 +305,12 @@ def _train(recipe: Any, output_dir: Path, force: bool, world: int) -> int:
         _err("bridge: interrupted before training started; rerun the same command to start")
         return 130
     except (ValueError, FloatingPointError, OSError) as exc:
-        if os.environ.get("BRIDGE_TRACEBACK"):
+        if TRACEBACK.get():
             raise
         _err(f"bridge: {_rank_prefix(world)}error: {str(exc)[:2000]}")
         return 1
     except Exception as exc:  # noqa: BLE001  one rank of several: its one line, not a traceback each
-        if world <= 1 or os.environ.get("BRIDGE_TRACEBACK"):
+        if world <= 1 or TRACEBACK.get():
             raise
         first = (str(exc).strip().splitlines() or [""])[0][:500]
         _err(f"bridge: {_rank_prefix(world)}{type(exc).__name__}: {first}")

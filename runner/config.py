@@ -191,6 +191,17 @@ def check_option_names(names: Any, where: str = "LLM()") -> None:
             raise TypeError(f"{where} got an unexpected keyword argument {str(name)[:60]!r}{hint}")
 
 
+def options_table_markdown() -> str:
+    """The README's table of engine options, generated from `EngineConfig`'s fields and their help."""
+    lines = ["| option | default | what it sets |", "|---|---|---|"]
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        default = "-" if f.default is None else f"`{f.default!r}`"
+        lines.append(f"| `{f.name}` | {default} | {f.metadata['help']} |")
+    return "\n".join(lines) + "\n"
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask where the OS has one, e.g. under taskset or
     a container's cpuset), not the machine's count."""

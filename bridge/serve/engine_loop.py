@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -27,16 +26,13 @@ from typing import Any
 
 from bridge.serve.arrivals import Arrivals, arrived_at, submitted
 from bridge.serve.metrics import EngineSnapshot, ServeMetrics
+from runner.envs import TICK_TRACE
 from runner.llm import LLM
 from runner.outputs import RequestDelta
 from runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-TICK_TRACE_ENV = "BRIDGE_TICK_TRACE"
-"""A file to append one JSON line per engine tick to (`time.monotonic()` clock, comparable across
-processes): what was admitted, the window, the step's time, the batch after it. For benchmarks."""
 
 DEFAULT_ARRIVAL_DECODE_WINDOW = 4
 """Decode steps per window while requests are arriving: admission waits at most this many steps."""
@@ -109,7 +105,7 @@ class EngineTicker:
         self.processor = llm.processor
         self.max_model_len = llm.max_model_len
         self._builds_seen = self._compiles.count if self._compiles is not None else 0
-        trace = os.environ.get(TICK_TRACE_ENV)
+        trace = TICK_TRACE.get()
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in close()
 
     def tick(self, subs: Sequence[Any], aborts: Sequence[str], arriving: bool) -> TickOutcome:
