@@ -33,8 +33,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runner.envs import TRACEBACK
-
 DEMO_DIR = Path(__file__).resolve().parents[1] / "recipes" / "demo"
 DEMOS = ("shapes", "tones", "graphs")
 OVERRIDES_HELP = (
@@ -94,7 +92,7 @@ def _parser(serve_arguments: Any = None) -> argparse.ArgumentParser:
 
 def _eval(args: argparse.Namespace) -> int:
     """`bridge eval`: the checkpoint's own recipe gives the eval set and settings."""
-    from bridge.backends import BatchGenerationError, RemoteError
+    from bridge.backends import GenerationError, RemoteError
     from bridge.data.sources import build_datasets
     from bridge.recipe import RecipeError, load_recipe
     from bridge.training import checkpoint as ckpt_io
@@ -127,7 +125,7 @@ def _eval(args: argparse.Namespace) -> int:
     device = torch.device(args.device) if args.device else None
     try:
         report = evaluate_checkpoint(ckpt, eval_set, recipe.eval, device, args.output, verify=False)
-    except (ValueError, RemoteError, BatchGenerationError) as exc:
+    except (ValueError, RemoteError, GenerationError) as exc:
         print(f"bridge: eval: {str(exc)[:1000]}", file=sys.stderr)
         return 1
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
@@ -305,12 +303,12 @@ def _train(recipe: Any, output_dir: Path, force: bool, world: int) -> int:
         _err("bridge: interrupted before training started; rerun the same command to start")
         return 130
     except (ValueError, FloatingPointError, OSError) as exc:
-        if TRACEBACK.get():
+        if _traceback_wanted():
             raise
         _err(f"bridge: {_rank_prefix(world)}error: {str(exc)[:2000]}")
         return 1
     except Exception as exc:  # noqa: BLE001  one rank of several: its one line, not a traceback each
-        if world <= 1 or TRACEBACK.get():
+        if world <= 1 or _traceback_wanted():
             raise
         first = (str(exc).strip().splitlines() or [""])[0][:500]
         _err(f"bridge: {_rank_prefix(world)}{type(exc).__name__}: {first}")
@@ -319,6 +317,14 @@ def _train(recipe: Any, output_dir: Path, force: bool, world: int) -> int:
         _err(_final_line(summary))  # before the JSON, so the JSON ends a merged stdout + stderr
         print(json.dumps(_report(summary), indent=2, allow_nan=False), flush=True)
     return 0
+
+
+def _traceback_wanted() -> bool:
+    """BRIDGE_TRACEBACK (runner.envs) asks for the full traceback instead of one line; read only when an
+    error happened, so help and usage import nothing of the runner."""
+    from runner.envs import TRACEBACK
+
+    return TRACEBACK.get() is not None
 
 
 def _rank_prefix(world: int) -> str:

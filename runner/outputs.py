@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -85,16 +87,27 @@ class RequestDelta:
     error: str | None = None  # what went wrong, with finish_reason "error"
 
 
-class GenerationError(ValueError):
-    """Some prompts of a `generate` call failed while running (an encoder raised or returned
-    NaN/Inf for one of their items); the others finished and their outputs are kept here.
+class GenerationError(RuntimeError):
+    """Some prompts of a call failed while running (an encoder raised or returned NaN/Inf for one of
+    their items, a server refused or dropped one); the others finished and their outputs are kept here.
+    The one partial-failure error of every generation path: `LLM.generate`, `Bridge.generate` and the
+    remote backend.
 
-    `errors` maps the index of each failed prompt to what went wrong; `outputs[i]` is the
-    `RequestOutput` of prompt i, or None for a failed one.
+    `failed` maps the index of each failed prompt to what went wrong (the exception, or the engine's
+    message); `errors` maps it to that as text; `outputs[i]` is the `RequestOutput` of prompt i, or
+    None for a failed one.
     """
 
-    def __init__(self, errors: dict[int, str], outputs: list[RequestOutput | None]) -> None:
-        self.errors = errors
-        self.outputs = outputs
-        first = min(errors)
-        super().__init__(f"{len(errors)} of {len(outputs)} prompts failed; prompt {first}: {errors[first]}")
+    def __init__(self, failed: Mapping[int, BaseException | str], outputs: Sequence[Any]) -> None:
+        self.failed = dict(sorted(failed.items()))
+        self.errors = {i: str(e) for i, e in self.failed.items()}
+        self.outputs = list(outputs)
+        shown = list(self.failed.items())[:3]
+        detail = "; ".join(
+            f"prompt {i}: " + (e if isinstance(e, str) else f"{type(e).__name__}: {e}")[:300]
+            for i, e in shown)
+        more = f"; and {len(self.failed) - len(shown)} more" if len(self.failed) > len(shown) else ""
+        done = len(self.outputs) - len(self.failed)
+        super().__init__(
+            f"{len(self.failed)} of {len(self.outputs)} prompts failed ({done} completed, kept in .outputs): "
+            f"{detail}{more}")

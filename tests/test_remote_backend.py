@@ -16,7 +16,7 @@ import torch
 from remote_stub import StubServer, free_port
 
 from bridge.backends import (
-    BatchGenerationError,
+    GenerationError,
     ModelExpectation,
     RemoteBackend,
     RemoteError,
@@ -138,7 +138,7 @@ def test_503_is_retried_then_succeeds():
 def test_timeout_is_retried_then_raises_naming_the_timeout():
     with StubServer(hidden_size=HIDDEN, script=lambda n, body: ("sleep", 1.5)) as stub, \
             _backend(stub.url, timeout=0.3, retries=1) as backend:
-        with pytest.raises(BatchGenerationError) as info:
+        with pytest.raises(GenerationError) as info:
             backend.generate(_requests(1), GREEDY)
     err = info.value.failed[0]
     assert isinstance(err, RemoteError) and err.attempts == 2 and "timed out" in str(err)
@@ -149,7 +149,7 @@ def test_400_is_not_retried_and_carries_the_server_message():
     script = lambda n, body: ("status", 400, "max_tokens is too large for this model") if n == 1 else ("ok",)
     with StubServer(hidden_size=HIDDEN, script=script) as stub, \
             _backend(stub.url, max_concurrency=1, retries=5) as backend:
-        with pytest.raises(BatchGenerationError) as info:
+        with pytest.raises(GenerationError) as info:
             backend.generate(_requests(3), GREEDY)
     err = info.value
     assert list(err.failed) == [1] and len(stub.completions()) == 3  # one attempt, not six
@@ -162,7 +162,7 @@ def test_server_dying_mid_batch_keeps_the_completed_outputs():
     script = lambda n, body: ("die",) if n == 3 else ("ok",)
     with StubServer(hidden_size=HIDDEN, script=script) as stub, \
             _backend(stub.url, max_concurrency=1, retries=2) as backend:
-        with pytest.raises(BatchGenerationError) as info:
+        with pytest.raises(GenerationError) as info:
             backend.generate(_requests(6), GREEDY)
     err = info.value
     assert sorted(err.failed) == [3, 4, 5]

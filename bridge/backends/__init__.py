@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from bridge.backends.base import GenerationBackend
-from bridge.backends.errors import BatchGenerationError, RemoteError, RemoteHTTPError, RemoteModelMismatch
+from bridge.backends.errors import RemoteError, RemoteHTTPError, RemoteModelMismatch
 from bridge.backends.identity import ModelExpectation, llm_names
 from bridge.backends.local import LocalBackend
 from bridge.backends.remote import RemoteBackend
+from runner.outputs import GenerationError
 
 __all__ = [
-    "BatchGenerationError",
+    "GenerationError",
     "GenerationBackend",
     "LocalBackend",
     "ModelExpectation",

@@ -15,7 +15,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from bridge.backends.errors import RemoteError, bounded
+from bridge.backends.errors import RemoteError
+from bridge.messages import bounded
 from runner.outputs import CompletionOutput, RequestOutput
 from runner.sampling_params import SamplingParams
 

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bridge.backends.errors import RemoteModelMismatch, bounded
+from bridge.backends.errors import RemoteModelMismatch
+from bridge.messages import bounded
 
 
 @dataclass(frozen=True)

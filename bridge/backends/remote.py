@@ -9,7 +9,7 @@ that at most `max_concurrency` encoded bodies are alive at once.
 
 Faults (retry.py): transient ones are retried with backoff up to `retries` times; a 4xx raises at
 once with the server's message. In a batch every prompt runs to its end: failures are collected
-and raised together as `BatchGenerationError`, which keeps the finished outputs.
+and raised together as `GenerationError`, which keeps the finished outputs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bridge.backends.completions import completion_body, encode_body, parse_completion, parse_logprobs
-from bridge.backends.errors import BatchGenerationError, RemoteError, RemoteHTTPError, RemoteModelMismatch
+from bridge.backends.errors import RemoteError, RemoteHTTPError, RemoteModelMismatch
 from bridge.backends.identity import ModelExpectation, pick_model, served_cards
 from bridge.backends.loop_thread import LoopThread
 from bridge.backends.retry import (
@@ -39,7 +39,7 @@ from bridge.backends.retry import (
     retry_after_seconds,
 )
 from bridge.wire import encode_prompt_embeds
-from runner.outputs import CompletionOutput, RequestOutput
+from runner.outputs import CompletionOutput, GenerationError, RequestOutput
 from runner.sampling_params import SamplingParams
 
 _STREAM_END = object()
@@ -244,7 +244,7 @@ class RemoteBackend:
     def generate(self, requests: Sequence[dict], sampling_params: SamplingParams | Sequence[SamplingParams],
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
         """One RequestOutput per request (dicts with `prompt_embeds`, as `Bridge.build_requests`
-        makes), in order. BatchGenerationError when any failed (it holds the rest). `use_tqdm=True`:
+        makes), in order. GenerationError when any failed (it holds the rest). `use_tqdm=True`:
         a progress bar of finished requests on stderr."""
         requests = list(requests)
         params = ([sampling_params] * len(requests) if isinstance(sampling_params, SamplingParams)
@@ -258,7 +258,7 @@ class RemoteBackend:
             results = self._loop.run(self._all(requests, params, bar))
         failed = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
         if failed:
-            raise BatchGenerationError(failed, [None if i in failed else r for i, r in enumerate(results)])
+            raise GenerationError(failed, [None if i in failed else r for i, r in enumerate(results)])
         return results
 
     # ------------------------------------------------------------------ streaming

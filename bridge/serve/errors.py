@@ -14,18 +14,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from bridge.messages import bounded
+
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_CHARS = 500
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           405: "MethodNotAllowed", 413: "RequestTooLarge", 415: "UnsupportedMediaType",
           422: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
-
-
-def bounded(text: object, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """`text` cut to `limit` characters (callers' input may be echoed inside messages)."""
-    text = str(text).encode("utf-8", "replace").decode("utf-8")  # lone surrogates cannot go out as JSON
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 class ApiError(Exception):
