@@ -84,13 +84,17 @@ def main() -> int:
     args = ap.parse_args()
     model_dir = pathlib.Path(tempfile.gettempdir()) / "bridge_bench_qwen3_06b"
     results: dict[str, list[dict]] = {t: [] for t in args.trees}
+    # Installed packages stay on the children's path (wheels carried into a folder), source trees do not:
+    # each child puts its own tree first.
+    site_path = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                if p and not (pathlib.Path(p) / "bridge").is_dir())
     for rnd in range(args.rounds):
         order = args.trees if rnd % 2 == 0 else args.trees[::-1]
         for tree in order:
             extra = ["nogc"] if args.gc_off_check else []
             proc = subprocess.run([sys.executable, "-c", CHILD, tree, str(model_dir), str(args.w1_repeats),
                                    *extra],
-                                  capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+                                  capture_output=True, text=True, env={**os.environ, "PYTHONPATH": site_path})
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
