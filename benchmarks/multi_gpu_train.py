@@ -27,6 +27,15 @@ small differences, not bit equality), and steady-state samples/s (steps 10 to th
 trainer's cumulative `samples_per_s` in metrics.jsonl) for the 2-GPU run in total and per rank, next to
 the 1-GPU run's.
 
+`--workloads T1,T2` runs the LLaVA-shaped workloads of `train_scale.py` instead (T1 align on DDP, T2
+whole-LLM finetune on FSDP2, their data as image files on disk) on 1 GPU and on `--nproc` GPUs at the
+same global batch: samples/s per GPU against one GPU (scaling efficiency), the loss curves side by side,
+and for T2 a resume of the N-GPU run's mid-run checkpoint onto one GPU, whose losses must follow the
+one-GPU run's. `--smoke` runs the same on the CPU (gloo, tiny shapes, 2 ranks).
+
+    python benchmarks/multi_gpu_train.py --workloads T1,T2 --nproc 2 [--steps 50]
+    python benchmarks/multi_gpu_train.py --workloads T1,T2 --smoke
+
 Writes JSON to `--out`, else `$OUT/multi_gpu_train.json` when `$OUT` is set.
 """
 
@@ -78,12 +87,13 @@ def recipe(setting: str, steps: int, num_layers: int, precision: str) -> dict:
     }
 
 
-def train(recipe_path: pathlib.Path, out: pathlib.Path, batch: int, nproc: int, gpus: str) -> dict:
-    cmd = [sys.executable, "-m", "bridge", "train", str(recipe_path), "--output-dir", str(out), "--force",
-           f"train.batch_size={batch}"]
+def train(recipe_path: pathlib.Path, out: pathlib.Path, batch: int, nproc: int, gpus: str,
+          extra: tuple[str, ...] = (), force: bool = True) -> dict:
+    cmd = [sys.executable, "-m", "bridge", "train", str(recipe_path), "--output-dir", str(out),
+           *(["--force"] if force else []), f"train.batch_size={batch}", *extra]
     if nproc > 1:
         cmd[4:4] = ["--nproc", str(nproc)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus,
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpus} if gpus else {}),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -93,7 +103,7 @@ def train(recipe_path: pathlib.Path, out: pathlib.Path, batch: int, nproc: int, 
                            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
-    return {"losses": [r["loss"] for r in rows],
+    return {"losses": [r["loss"] for r in rows], "steps": [r["step"] for r in rows],
             "cumulative_samples_per_s": [r["samples_per_s"] for r in rows],
             "wall_seconds": wall, "command": " ".join(cmd[1:]), "log_tail": proc.stderr[-600:]}
 
@@ -141,6 +151,68 @@ def nccl_allreduce_bus_bandwidth(nbytes: int = 1 << 28) -> float:
     return queue.get()
 
 
+def scale_workloads(args, work: pathlib.Path) -> dict:
+    """T1 (DDP) and T2 (FSDP2) of train_scale.py on one GPU and on `args.nproc`, same global batch."""
+    import random
+
+    import train_scale as ts
+
+    from bridge.tiny_models import build_tiny_model
+
+    n, smoke = args.nproc, args.smoke
+    ns = argparse.Namespace(smoke=smoke, batch=args.batch, steps=args.steps, warmup=0,
+                            device="cpu" if smoke else "cuda", num_workers=0 if smoke else 8,
+                            eager_variant=False)
+    shape = dict(ts.LLMS["tiny-qwen3" if smoke else "qwen3-1.7b"])
+    family = shape.pop("family")
+    import torch
+
+    llm_dir = build_tiny_model(work / "llm", family, vocab_words=ts.WORDS + ts.PROMPT_WORDS,
+                               dtype=torch.float32 if smoke else torch.bfloat16, **shape)
+    gpus_one, gpus_all = ("", "") if smoke else ("0", ",".join(str(i) for i in range(n)))
+    out: dict = {}
+    for name in args.workloads.split(","):
+        data = ts.build_workload_data(name, work / name, ns, random.Random(0))
+        r = ts.recipe_for(name, ns, llm_dir, data, work / name / "media")
+        r["train"].update(max_steps=args.steps, log_every=1, checkpoint_every=0,
+                          distributed="ddp" if name == "T1" else "fsdp")
+        path = work / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(r))
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: one {'rank' if smoke else 'GPU'}, batch {args.batch}",
+              flush=True)
+        one = train(path, work / f"{name}_1", args.batch, 1, gpus_one)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {n} ranks, batch {args.batch // n} each", flush=True)
+        many = train(path, work / f"{name}_{n}", args.batch // n, n, gpus_all)
+        warm = min(WARM_STEPS, args.steps // 2)
+        rate_one, rate_many = (_steady(run, args.batch, warm) for run in (one, many))
+        diffs = [abs(a - b) for a, b in zip(one["losses"], many["losses"])]
+        entry = {"one": one, "many": many, "ranks": n, "samples_per_s_one": rate_one,
+                 "samples_per_s_many": rate_many, "per_gpu_scaling": rate_many / n / rate_one,
+                 "max_abs_loss_diff": max(diffs), "mean_abs_loss_diff": sum(diffs) / len(diffs)}
+        if name == "T2":  # N ranks write a checkpoint halfway; one rank resumes it to the end
+            half = args.steps // 2
+            run = work / f"{name}_{n}_to_1"
+            train(path, run, args.batch // n, n, gpus_all,
+                  (f"train.max_steps={half}", f"train.checkpoint_every={half}"))
+            resumed = train(path, run, args.batch, 1, gpus_one, force=False)
+            after = {s: loss for s, loss in zip(resumed["steps"], resumed["losses"]) if s > half}
+            ref = {s: loss for s, loss in zip(one["steps"], one["losses"]) if s > half}
+            entry["resume_n_to_1_max_abs_loss_diff"] = max(abs(after[s] - ref[s]) for s in ref)
+            entry["resume_steps_compared"] = len(ref)
+        out[name] = entry
+        print(f"{name}: 1 = {rate_one:.1f} samples/s, {n} = {rate_many:.1f} samples/s, per-GPU scaling "
+              f"{entry['per_gpu_scaling']:.2f}, max |dloss| {entry['max_abs_loss_diff']:.2e}"
+              + (f", resumed {n}->1 max |dloss| {entry['resume_n_to_1_max_abs_loss_diff']:.2e}"
+                 if "resume_n_to_1_max_abs_loss_diff" in entry else ""), flush=True)
+    return out
+
+
+def _steady(run: dict, batch: int, warm: int) -> float:
+    rates = run["cumulative_samples_per_s"]
+    elapsed = [(i + 1) * batch / r for i, r in enumerate(rates)]
+    return (len(rates) - warm) * batch / (elapsed[-1] - elapsed[warm - 1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -150,8 +222,25 @@ def main() -> int:
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
                     help="bf16 autocast (speed) or fp32 with TF32 off (the 1- vs 2-GPU match)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--workloads", default=None,
+                    help="T1,T2: train_scale.py's workloads instead of --settings")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks for --workloads")
+    ap.add_argument("--smoke", action="store_true", help="--workloads on the CPU: gloo, tiny shapes")
     args = ap.parse_args()
     import torch
+
+    if args.workloads:
+        if not args.smoke and torch.cuda.device_count() < args.nproc:
+            print(f"needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
+            return 2
+        if args.smoke:
+            args.steps, args.batch = min(args.steps, 6), min(args.batch, 8)
+        work = pathlib.Path(tempfile.mkdtemp(prefix="bridge_multi_gpu_"))
+        results = {"workloads": scale_workloads(args, work), "global_batch": args.batch,
+                   "steps": args.steps, "torch": torch.__version__,
+                   "device": "cpu" if args.smoke else torch.cuda.get_device_name(0)}
+        write_results(results, args.out, "multi_gpu_train.json")
+        return 0
 
     if torch.cuda.device_count() < 2:
         print(f"needs 2 GPUs, found {torch.cuda.device_count()}")
