@@ -75,6 +75,11 @@ class RequestDelta:
 
     Text deltas hold back a possible stop string's prefix until it is known not to be one, so
     streamed text always adds up to the final `CompletionOutput.text`.
+
+    A request's first delta also carries what its caller cannot know beforehand: its
+    `prompt_logprobs` when it asked for them (complete: the prompt is prefilled before the first
+    token), and its `prompt_token_ids` when placeholder expansion made them (a prompt with media items:
+    each placeholder repeated for its item's rows); both None otherwise and on later deltas.
     """
 
     request_id: str
@@ -85,6 +90,8 @@ class RequestDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None  # what went wrong, with finish_reason "error"
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class GenerationError(RuntimeError):

@@ -245,9 +245,10 @@ class Request:
         """Decide, after a token was appended, whether the request is done (vLLM semantics).
 
         EOS and stop tokens stay in `token_ids` (not in the text); a stop string is trimmed from
-        the text (the tokens that produced it stay). `min_tokens` suppresses every stop but
-        the length limit. Unless a stop string ended it, a finished request's streamed text gets
-        its held-back tail, so it equals the one-shot decode of its tokens.
+        the text unless `include_stop_str_in_output` (the tokens that produced it stay).
+        `min_tokens` suppresses every stop but the length limit. Unless a stop string ended it, a
+        finished request's streamed text gets its held-back tail, so it equals the one-shot decode of
+        its tokens.
         """
         done = self._check_stop()
         if done and self.detokenizer is not None and not isinstance(self.stop_reason, str):
@@ -325,13 +326,15 @@ class Request:
         return n
 
     def _find_stop_string(self, new_text: str) -> str | None:
-        """Search only the tail that the new text could have completed; trim the text at the hit."""
+        """Search only the tail that the new text could have completed; trim the text at the hit (after
+        it with `include_stop_str_in_output`: vLLM keeps the stop string, drops what follows it)."""
         text = self.detokenizer.text
+        keep = self.sampling_params.include_stop_str_in_output
         for stop in self.sampling_params.stop_strings:
             start = max(0, len(text) - len(new_text) - len(stop) + 1)
             idx = text.find(stop, start)
             if idx != -1:
-                self.detokenizer.text = text[:idx]
+                self.detokenizer.text = text[: idx + len(stop) if keep else idx]
                 return stop
         return None
 

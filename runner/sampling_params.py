@@ -24,7 +24,8 @@ class SamplingParams:
     Penalties follow vLLM/OpenAI: `repetition_penalty` (> 0, 1 = off) scales logits of tokens
     seen in the prompt or the output; `presence_penalty` and `frequency_penalty` subtract for
     tokens already generated. Positions of a prompt that carry embeddings instead of tokens
-    never count as "seen".
+    never count as "seen". A stop string is cut from the text, unless `include_stop_str_in_output`
+    (vLLM's field): then the text ends with it.
     """
 
     max_tokens: int = 16
@@ -42,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -55,6 +57,8 @@ class SamplingParams:
             self.seed = _int_field("seed", self.seed, low=_SEED_MIN, high=_SEED_MAX)
         self.ignore_eos = _bool_field("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _bool_field("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _bool_field("include_stop_str_in_output",
+                                                      self.include_stop_str_in_output)
         self._stop_list = _stop_strings(self.stop)
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
         if self.logprobs is not None:

@@ -46,6 +46,8 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
         fields["seed"] = params.seed
     if params.stop_strings:
         fields["stop"] = list(params.stop_strings)
+        if params.include_stop_str_in_output:
+            fields["include_stop_str_in_output"] = True
     if params.stop_token_ids:
         fields["stop_token_ids"] = list(params.stop_token_ids)
     if params.logprobs is not None:

@@ -27,7 +27,13 @@ from bridge.serve.errors import ApiError, bounded, install_error_handlers
 from bridge.serve.generation import Generation, TokenText
 from bridge.serve.guards import BODY_RECEIVED, Guards
 from bridge.serve.ingest import BodyParser, EmbedsSpec, IngestRoute
-from bridge.serve.inputs import ServeLimits, completion_prompts, samples_params
+from bridge.serve.inputs import (
+    ServeLimits,
+    check_prompt_logprobs,
+    completion_prompts,
+    echo_texts,
+    samples_params,
+)
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.protocol import (
     ChatCompletionRequest,
@@ -38,7 +44,10 @@ from bridge.serve.protocol import (
     ModelCard,
     ModelList,
 )
+from bridge.serve.request_fields import check_request_fields
+from bridge.serve.response_extras import ResponseOptions
 from runner.llm import LLM
+from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
@@ -132,6 +141,10 @@ def build_app(state: ServerState) -> Guards:
         if received is not None:
             state.metrics.parse_seconds.observe(time.perf_counter() - received)
 
+    def token_text(body: CompletionRequest | ChatCompletionRequest) -> TokenText:
+        as_ids = bool(body.return_tokens_as_token_ids)
+        return TokenText(state.tokenizer, as_ids=True) if as_ids else state.token_text
+
     def check_model(name: str | None) -> None:
         # the served name, or the PATH the server was started with (vLLM's default name)
         if name is not None and name not in (state.model_name, state.model_root):
@@ -158,39 +171,64 @@ def build_app(state: ServerState) -> Guards:
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, raw: Request):
         check_model(body.model)
+        check_request_fields(body)
+        prompt_logprobs = check_prompt_logprobs(body)
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                           param="max_tokens")
+        if body.prompt_embeds is not None and (body.echo or prompt_logprobs is not None):
+            field = "echo" if body.echo else "prompt_logprobs"
+            raise ApiError(400, f"{field} is not available with prompt_embeds (an embeddings prompt has no "
+                           "prompt tokens)", param=field)
         prompts = await completion_prompts(body, hidden_size=state.hidden_size,
                                            max_model_len=state.max_model_len, limits=state.limits,
                                            metrics=state.metrics, tokenizer=state.tokenizer,
                                            decoded=getattr(raw.state, "prompt_embeds", None))
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = samples_params(body, max_tokens=max_tokens, logprobs=body.logprobs, limits=state.limits)
+        echo_logprobs = body.echo and body.logprobs is not None
+        if echo_logprobs and prompt_logprobs is None:
+            prompt_logprobs = body.logprobs  # vLLM: echo's prompt logprobs have the output's k
+        options = ResponseOptions(
+            return_token_ids=bool(body.return_token_ids), prompt_logprobs=body.prompt_logprobs is not None,
+            echo=await echo_texts(body, state.tokenizer) if body.echo else None, echo_logprobs=echo_logprobs,
+            prompt_only=body.echo and max_tokens == 0)
+        params = samples_params(body, max_tokens=max(max_tokens, 1), logprobs=body.logprobs,
+                                limits=state.limits, prompt_logprobs=prompt_logprobs)
         parsed(raw)
         gen = Generation(state.loop, state.metrics, base_id=f"cmpl-{uuid.uuid4().hex}",
                          model=state.model_name, prompts=prompts, params=params, n=body.n, check_context=True,
-                         token_text=state.token_text)
+                         token_text=token_text(body), options=options)
         await gen.submit()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(gen.completion_stream(include_usage, bool(body.return_token_ids)),
-                                     media_type="text/event-stream")
+            return StreamingResponse(gen.completion_stream(include_usage), media_type="text/event-stream")
         await gen.collect(raw)
-        return JSONResponse(gen.completion_response(bool(body.return_token_ids)).model_dump())
+        return JSONResponse(gen.completion_response().model_dump())
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         check_model(body.model)
+        check_request_fields(body)
+        prompt_logprobs = check_prompt_logprobs(body)
         prompt = await state.chat.prompt(body)
+        if prompt_logprobs is not None and PROMPT_EMBEDS_MODALITY in prompt.get("multi_modal_data", {}):
+            raise ApiError(400, "prompt_logprobs are not available for a conversation with prompt_embeds "
+                           "parts", param="prompt_logprobs")
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = state.max_model_len if given is None else given
         top = body.top_logprobs or 0
         logprobs = top if body.logprobs else None
-        if body.top_logprobs is not None and not body.logprobs:
+        if top and not body.logprobs:  # vLLM: top_logprobs 0 goes without logprobs
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        params = samples_params(body, max_tokens=max_tokens, logprobs=logprobs, limits=state.limits)
+        params = samples_params(body, max_tokens=max_tokens, logprobs=logprobs, limits=state.limits,
+                                prompt_logprobs=prompt_logprobs)
+        options = ResponseOptions(return_token_ids=bool(body.return_token_ids),
+                                  prompt_logprobs=prompt_logprobs is not None,
+                                  chat_echo=state.chat.echo(body))
         parsed(raw)
         gen = Generation(state.loop, state.metrics, base_id=f"chatcmpl-{uuid.uuid4().hex}",
                          model=state.model_name, prompts=[prompt], params=params, n=body.n,
-                         check_context=given is not None, token_text=state.token_text)
+                         check_context=given is not None, token_text=token_text(body), options=options)
         await gen.submit()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

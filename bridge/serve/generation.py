@@ -10,6 +10,10 @@ A request that fails while running (an encoder raised on one of its items) finis
 `finish_reason: "error"`, and the reason always reaches the client: as the choice's `stop_reason`, as an
 error event after its last chunk in a stream, and, when every choice of a request failed, as the status
 of a non-streaming answer (500 with the message).
+
+What a request asked to see beyond the text (token ids, prompt logprobs, echo) is its
+`ResponseOptions` (`response_extras.py`); a request's first delta brings its prompt logprobs and, for
+a prompt with media, its expanded prompt ids.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from bridge.serve.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from bridge.serve.response_extras import ResponseOptions, prompt_logprobs_json
 from runner.outputs import RequestDelta
 from runner.request import IncrementalDetokenizer
 from runner.sampling_params import SamplingParams
@@ -56,16 +61,20 @@ class Choice:
     error: str | None = None  # why it failed, with finish_reason "error"
     last_time: float | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # from the first delta
+    prompt_token_ids: list[int] | None = None  # from the first delta: a prompt with media, expanded
 
 
 class TokenText:
-    """Token id -> its text for logprobs (the tokenizer's decode of the one id)."""
+    """Token id -> its text for logprobs (the tokenizer's decode of the one id), or `token_id:N` (vLLM's
+    `return_tokens_as_token_ids`, and always without a tokenizer)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
 
     def __call__(self, token_id: int) -> str:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.as_ids:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
@@ -75,9 +84,11 @@ class Generation:
 
     def __init__(self, loop: EngineFront, metrics: ServeMetrics, *, base_id: str, model: str,
                  prompts: Sequence[Any], params: Sequence[SamplingParams], n: int, check_context: bool,
-                 token_text: TokenText) -> None:
+                 token_text: TokenText, options: ResponseOptions | None = None) -> None:
         self.loop, self.metrics = loop, metrics
         self.base_id, self.model, self.n = base_id, model, n
+        self.options = options or ResponseOptions()
+        self.given_prompts = list(prompts)
         self.prompts = [p for p in prompts for _ in range(n)]
         self.params = list(params) * len(prompts)
         self.ids = [f"{base_id}-{k}" for k in range(len(self.prompts))]
@@ -149,6 +160,10 @@ class Generation:
                     self.metrics.itl.observe(gap)
             choice.last_time = now
         choice.token_ids += delta.new_token_ids
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
+        if delta.prompt_token_ids is not None:
+            choice.prompt_token_ids = delta.prompt_token_ids
         text = delta.new_text
         det = choice.detokenizer
         if det is not None:
@@ -193,41 +208,88 @@ class Generation:
         completion = sum(len(c.token_ids) for c in self.choices)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
+    # ----------------------------------------------------------------------------- prompt extras
+    def prompt_token_ids(self, choice: Choice) -> list[int] | None:
+        """The prompt's ids as the engine ran them: the ids sent (a text prompt's, tokenized here), a
+        media prompt's expansion (from its first delta), zeros for a prompt-embeds prompt (vLLM's
+        placeholder ids); None for text the engine tokenized itself (a server without a tokenizer)."""
+        if choice.prompt_token_ids is not None:
+            return choice.prompt_token_ids
+        prompt = self.given_prompts[choice.index // self.n] if self.given_prompts else None
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt and "multi_modal_data" not in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt and self.prompt_lens:
+            return [0] * self.prompt_lens[choice.index // self.n]
+        return None
+
+    def prompt_extras(self, choice: Choice) -> dict[str, Any]:
+        """`prompt_token_ids` / `prompt_logprobs` of a choice's prompt, those the request asked for."""
+        out: dict[str, Any] = {}
+        ids = self.prompt_token_ids(choice)
+        if self.options.return_token_ids:
+            out["prompt_token_ids"] = ids
+        if self.options.prompt_logprobs:
+            k = self.params[choice.index].prompt_logprobs or 0
+            out["prompt_logprobs"] = prompt_logprobs_json(choice.prompt_logprobs, ids, k, self.token_text)
+        return out
+
     # ----------------------------------------------------------------------------- completions
-    def completion_logprobs(self, choice: Choice, start: int, offset: int = 0) -> CompletionLogprobs | None:
+    def completion_logprobs(self, choice: Choice, start: int, offset: int = 0,
+                            with_prompt: bool = False) -> CompletionLogprobs | None:
+        """The choice's logprobs from output token `start` on (after its prompt's with `with_prompt`:
+        echo), text offsets from `offset`."""
         if self.params[choice.index].logprobs is None:
             return None
         out = CompletionLogprobs()
-        for token_id, entry in zip(choice.token_ids[start:], choice.logprobs[start:]):
+        ids, entries = [], []
+        if with_prompt:
+            ids = self.prompt_token_ids(choice) or []
+            entries = list(choice.prompt_logprobs or [None] * len(ids))
+        if not self.options.prompt_only:
+            ids, entries = ids + choice.token_ids[start:], entries + choice.logprobs[start:]
+        for token_id, entry in zip(ids, entries):
             text = self.token_text(token_id)
             out.tokens.append(text)
-            out.token_logprobs.append(_finite(entry.get(token_id)))
-            top: dict[str, float | None] = {}
-            for t, v in sorted(entry.items(), key=lambda kv: -kv[1]):  # two ids may share a text: best wins
-                top.setdefault(self.token_text(t), _finite(v))
+            out.token_logprobs.append(None if entry is None else _finite(entry.get(token_id)))
+            top: dict[str, float | None] | None = None
+            if entry is not None:
+                top = {}
+                for t, v in sorted(entry.items(), key=lambda kv: -kv[1]):  # ids sharing a text: best wins
+                    top.setdefault(self.token_text(t), _finite(v))
             out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(text)
         return out
 
-    def completion_response(self, return_token_ids: bool = False) -> CompletionResponse:
-        choices = [CompletionChoice(index=c.index, text=c.text, logprobs=self.completion_logprobs(c, 0),
-                                    token_ids=list(c.token_ids) if return_token_ids else None,
-                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+    def _echo(self, choice: Choice) -> str:
+        echo = self.options.echo
+        return echo[choice.index // self.n] if echo else ""
+
+    def completion_response(self) -> CompletionResponse:
+        shown = self.options
+        choices = [CompletionChoice(index=c.index, text=self._echo(c) + ("" if shown.prompt_only else c.text),
+                                    logprobs=self.completion_logprobs(c, 0, with_prompt=shown.echo_logprobs),
+                                    token_ids=list(c.token_ids) if self.options.return_token_ids else None,
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                    **self.prompt_extras(c))
                    for c in self.choices]
         return CompletionResponse(id=self.base_id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage())
 
-    async def completion_stream(self, include_usage: bool,
-                                return_token_ids: bool = False) -> AsyncIterator[str]:
+    async def completion_stream(self, include_usage: bool) -> AsyncIterator[str]:
         offsets = [0] * len(self.choices)
+        started = [False] * len(self.choices)
         async for item in self._guarded_stream():
             if isinstance(item, str):
                 yield item
                 continue
             choice, delta, text = item
+            first = not started[choice.index]
+            started[choice.index] = True
+            text = (self._echo(choice) if first else "") + ("" if self.options.prompt_only else text)
             start = len(choice.token_ids) - len(delta.new_token_ids)
-            lp = self.completion_logprobs(choice, start, offsets[choice.index])
+            lp = self.completion_logprobs(choice, start, offsets[choice.index],
+                                          with_prompt=first and self.options.echo_logprobs)
             offsets[choice.index] += len(text)
             chunk = {"id": self.base_id, "object": "text_completion", "created": self.created,
                      "model": self.model,
@@ -235,8 +297,10 @@ class Generation:
                                   "logprobs": None if lp is None else lp.model_dump(),
                                   "finish_reason": delta.finish_reason if delta.finished else None,
                                   "stop_reason": _stop_reason(delta) if delta.finished else None}]}
-            if return_token_ids:
+            if self.options.return_token_ids:
                 chunk["choices"][0]["token_ids"] = list(delta.new_token_ids)
+                if first:
+                    chunk["choices"][0]["prompt_token_ids"] = self.prompt_token_ids(choice)
             if include_usage:
                 chunk["usage"] = None
             yield _sse(chunk)
@@ -260,11 +324,15 @@ class Generation:
         return ChatLogprobs(content=content)
 
     def chat_response(self, top: int) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+        echo = self.options.chat_echo
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=echo + c.text),
                               logprobs=self.chat_logprobs(c, 0, top), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason) for c in self.choices]
+                              stop_reason=c.stop_reason,
+                              token_ids=list(c.token_ids) if self.options.return_token_ids else None)
+                   for c in self.choices]
+        extras = self.prompt_extras(self.choices[0]) if self.choices else {}
         return ChatCompletionResponse(id=self.base_id, created=self.created, model=self.model,
-                                      choices=choices, usage=self.usage())
+                                      choices=choices, usage=self.usage(), **extras)
 
     async def chat_stream(self, include_usage: bool, top: int) -> AsyncIterator[str]:
         def chunk(index: int, delta: dict, **extra: Any) -> str:
@@ -273,12 +341,20 @@ class Generation:
                     "choices": [{"index": index, "delta": delta, "logprobs": extra.get("logprobs"),
                                  "finish_reason": extra.get("finish_reason"),
                                  "stop_reason": extra.get("stop_reason")}]}
+            if "token_ids" in extra:
+                body["choices"][0]["token_ids"] = extra["token_ids"]
+            if "prompt_token_ids" in extra:
+                body["prompt_token_ids"] = extra["prompt_token_ids"]
             if include_usage:
                 body["usage"] = None
             return _sse(body)
 
         for choice in self.choices:
             yield chunk(choice.index, {"role": "assistant", "content": ""})
+        if self.options.chat_echo:
+            for choice in self.choices:
+                yield chunk(choice.index, {"content": self.options.chat_echo})
+        sent_prompt_ids = False
         async for item in self._guarded_stream():
             if isinstance(item, str):
                 yield item
@@ -287,10 +363,16 @@ class Generation:
             start = len(choice.token_ids) - len(delta.new_token_ids)
             lp = self.chat_logprobs(choice, start, top)
             content = {"content": text} if text or not delta.finished else {}
+            extra = {}
+            if self.options.return_token_ids:
+                extra["token_ids"] = list(delta.new_token_ids)
+                if not sent_prompt_ids:  # once, at the top of the first chunk with tokens (a media
+                    sent_prompt_ids = True  # prompt's expanded ids arrive with its first delta)
+                    extra["prompt_token_ids"] = self.prompt_token_ids(choice)
             yield chunk(choice.index, content,
                         logprobs=None if lp is None else lp.model_dump(),
                         finish_reason=delta.finish_reason if delta.finished else None,
-                        stop_reason=_stop_reason(delta) if delta.finished else None)
+                        stop_reason=_stop_reason(delta) if delta.finished else None, **extra)
         if include_usage and self.done:
             yield _sse({"id": self.base_id, "object": "chat.completion.chunk", "created": self.created,
                         "model": self.model, "choices": [], "usage": self.usage().model_dump()})

@@ -87,7 +87,7 @@ def check_text(text: str, where: str) -> str:
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None,
-                    seed: int | None) -> SamplingParams:
+                    seed: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's params for one sample of `body` (ValueError from SamplingParams -> 400)."""
     try:
         return SamplingParams(
@@ -95,16 +95,38 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_toke
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
             seed=seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
-            logprobs=logprobs, presence_penalty=body.presence_penalty,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
     except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param=_field_of(str(exc))) from None
+
+
+def _field_of(message: str) -> str | None:
+    """The field a SamplingParams message names first (`"min_tokens must be ..."` -> "min_tokens")."""
+    head = message.split(" ", 1)[0].split("[", 1)[0]
+    return head if head.isidentifier() else None
+
+
+def check_prompt_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The request's `prompt_logprobs` as the engine takes it, checked as vLLM checks it: not with a
+    stream (vLLM sends no prompt logprobs in chunks), at most `MAX_LOGPROBS` (-1, "the whole
+    vocabulary", is over it, as it is on a vLLM server with its default cap)."""
+    k = body.prompt_logprobs
+    if k is None:
+        return None
+    if body.stream:
+        raise ApiError(400, "prompt_logprobs are not available when stream=true", param="prompt_logprobs")
+    if k == -1 or k > MAX_LOGPROBS:
+        raise ApiError(400, f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {k}",
+                       param="prompt_logprobs")
+    return k
 
 
 def samples_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None,
-                   limits: ServeLimits) -> list[SamplingParams]:
+                   limits: ServeLimits, prompt_logprobs: int | None = None) -> list[SamplingParams]:
     """One params per sample (n of them). With a seed, sample j uses seed + j, as vLLM does for n > 1,
     so the n samples differ yet the request is reproducible."""
     for i, stop in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
@@ -113,8 +135,11 @@ def samples_params(body: CompletionRequest | ChatCompletionRequest, *, max_token
         raise ApiError(400, f"n must be at most {limits.max_n}, got {body.n}", param="n")
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options can only be given with stream=true", param="stream_options")
     seeds = [None if body.seed is None else body.seed + j for j in range(body.n)]
-    return [sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, seed=s) for s in seeds]
+    return [sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, seed=s,
+                            prompt_logprobs=prompt_logprobs) for s in seeds]
 
 
 def decode_embeds(payload: str, *, where: str, hidden_size: int, max_model_len: int,
@@ -180,8 +205,7 @@ async def completion_prompts(body: CompletionRequest, *, hidden_size: int, max_m
     if embeds is not None and prompt == "":
         prompt = None  # vLLM's users send prompt="" with prompt_embeds (the openai client needs a prompt)
     if prompt is not None:
-        single = isinstance(prompt, str) or bool(prompt and all(isinstance(t, int) for t in prompt))
-        items: list[Any] = [prompt] if single else list(prompt)
+        items, single = prompt_items(prompt)
         if not items:
             raise ApiError(400, "prompt is an empty list", param="prompt")
         if len(prompts) + len(items) > limits.max_prompts:
@@ -197,10 +221,34 @@ async def completion_prompts(body: CompletionRequest, *, hidden_size: int, max_m
             else:
                 prompts.append({"prompt_token_ids": _within_context(list(item), where, max_model_len)})
         if texts and tokenizer is not None:
-            encoded = await asyncio.to_thread(lambda: [list(tokenizer.encode(t)) for _, _, t in texts])
+            special = body.add_special_tokens is not False  # vLLM's default for completions: true
+            encoded = await asyncio.to_thread(
+                lambda: [list(tokenizer.encode(t, add_special_tokens=special)) for _, _, t in texts])
             for (k, where, _), ids in zip(texts, encoded):
                 prompts[k] = {"prompt_token_ids": _within_context(ids, where, max_model_len)}
     return prompts
+
+
+def prompt_items(prompt: Any) -> tuple[list[Any], bool]:
+    """A completions `prompt` as its list of prompts, and whether it was one prompt (a string or one
+    list of token ids) rather than a list of them."""
+    single = isinstance(prompt, str) or bool(prompt and all(isinstance(t, int) for t in prompt))
+    return ([prompt] if single else list(prompt)), single
+
+
+async def echo_texts(body: CompletionRequest, tokenizer: Any) -> list[str]:
+    """Completions' `echo`: the text each prompt's choices start with: a text prompt's own text, a
+    token-id prompt's ids decoded; none with `return_token_ids`, as vLLM does (the ids are returned)."""
+    if body.prompt is None:
+        return []
+    items, single = prompt_items(body.prompt)
+    if body.return_token_ids:
+        return [""] * len(items)
+    if tokenizer is None and not all(isinstance(item, str) for item in items):
+        raise ApiError(400, "echo of a token-id prompt needs the model's tokenizer, and this server has none",
+                       param="echo")
+    return await asyncio.to_thread(lambda: [item if isinstance(item, str) else tokenizer.decode(list(item))
+                                            for item in items])
 
 
 def _within_context(ids: list[int], where: str, max_model_len: int) -> list[int]:

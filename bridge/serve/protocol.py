@@ -3,8 +3,12 @@
 Every request body is a model here, so `/openapi.json` describes exactly what the server accepts
 (schema-driven fuzzers read it). Field names, defaults and shapes follow OpenAI's API with vLLM's
 extensions (`prompt_embeds`, `top_k`, `min_tokens`, `repetition_penalty`, `stop_token_ids`,
-`ignore_eos`). Unknown fields are ignored, as vLLM does. Values are range-checked again by
-`runner.SamplingParams`; pydantic checks types (strict: `"1"` is not an int, `1` is not a str).
+`ignore_eos`, `prompt_logprobs`, `include_stop_str_in_output`, `return_token_ids`, ...). Fields a model
+here does not declare are kept (`extra="allow"`) so that `bridge.serve.request_fields` can refuse
+vLLM's fields this server does not implement (a 400 naming the field) and log the unknown ones once
+by name, as vLLM logs the fields it ignores: nothing a client sends is dropped without a word. Values
+are range-checked again by `runner.SamplingParams`; pydantic checks types (strict: `"1"` is not an
+int, `1` is not a str).
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 Number = StrictInt | StrictFloat
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # vLLM's seed range
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Body):
@@ -33,7 +40,7 @@ class _SamplingFields(_Body):
     temperature: Number | None = Field(default=None, ge=0)
     top_p: Number | None = Field(default=None, gt=0, le=1)
     top_k: StrictInt | None = Field(default=None, ge=-1)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
@@ -43,9 +50,19 @@ class _SamplingFields(_Body):
     frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: Number = Field(default=1.0, gt=0)
     skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    prompt_logprobs: StrictInt | None = Field(
+        default=None, ge=-1, description="vLLM's: logprobs of each prompt token (and the top k); -1: all")
+    return_token_ids: StrictBool | None = Field(
+        default=None, description="vLLM's: also return the prompt's and each choice's token ids")
+    return_tokens_as_token_ids: StrictBool | None = Field(
+        default=None, description="vLLM's: tokens in logprobs spelt 'token_id:N'")
+    add_special_tokens: StrictBool | None = Field(
+        default=None, description="vLLM's: the tokenizer's special tokens (BOS) before the prompt "
+        "(default: true for completions; false for chat, whose template writes its own)")
 
 
 TokenIds = list[StrictInt]
@@ -58,11 +75,10 @@ class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds] | None = None
     prompt_embeds: StrictStr | list[StrictStr] | None = Field(
         default=None, description="base64 of torch.save of a (n, hidden) tensor (vLLM's format), or a list")
+    max_tokens: StrictInt | None = Field(default=None, ge=0,
+                                         description="0 only with echo (the prompt alone)")
     logprobs: StrictInt | None = Field(default=None, ge=0)
-    return_token_ids: StrictBool | None = Field(
-        default=None, description="vLLM's extension: also return each choice's sampled token ids")
-    echo: Literal[False] = False
-    suffix: None = None
+    echo: StrictBool = False
 
 
 class TextPart(_Body):
@@ -96,9 +112,13 @@ class GraphPart(_Body):
 
 
 class EmbedsPart(_Body):
-    """vLLM's embeddings-as-content: rows already in the LLM's hidden space (base64 torch.save)."""
+    """vLLM's embeddings-as-content: rows already in the LLM's hidden space (base64 torch.save). vLLM
+    spells a prompt-embeds part `{"type": "prompt_embeds", "data": ...}` and an image-embeds part
+    `{"type": "image_embeds", "image_embeds": ...}`; a prompt-embeds part may also carry its payload
+    under `prompt_embeds` (Bridge's earlier spelling)."""
 
     type: Literal["prompt_embeds", "image_embeds"]
+    data: StrictStr | None = None
     prompt_embeds: StrictStr | None = None
     image_embeds: StrictStr | None = None
 
@@ -121,7 +141,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = Field(default=None, ge=0)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    documents: list[dict[str, StrictStr]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: StrictBool = Field(default=False, description="vLLM's: the answer starts with the last message's "
+                             "content when that message is the assistant's")
 
 
 # ----------------------------------------------------------------------------- responses
@@ -140,13 +164,27 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`: one token's entry in `prompt_logprobs` (`rank` is None when the token is
+    outside the top k the request asked for)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # keyed by token id; the first position is None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    token_ids: list[int] | None = None  # with return_token_ids (vLLM's field)
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's fields)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -183,6 +221,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's field)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -192,6 +231,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's fields, at the top as vLLM puts them
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):

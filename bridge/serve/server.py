@@ -74,7 +74,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: the directory's name)")
     parser.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template file (default: the tokenizer's)")
+                        help="a Jinja chat template file (default: the tokenizer's; for a Bridge run "
+                             "whose tokenizer has none, one made from its recipe's data.prompt)")
     parser.add_argument("--allowed-local-media-path", default=None,
                         help="let image_url name local files under this directory")
     parser.add_argument("--max-request-bytes", type=int, default=512 * 2**20, help="request body size limit")

@@ -9,6 +9,7 @@ from typing import Any
 
 from bridge.serve.app import ServerState
 from bridge.serve.chat import ChatRenderer
+from bridge.serve.chat_template import resolve_chat_template
 from bridge.serve.engine_build import audio_sample_rates, set_torch_threads
 from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess
 from bridge.serve.ingest import default_workers
@@ -46,7 +47,6 @@ def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str 
                          max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
                          enable_prompt_embeds=args.enable_prompt_embeds, media=media_limits(args))
     metrics = ServeMetrics()
-    template = Path(args.chat_template).read_text() if args.chat_template else None
     media_dir = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
     if llm is None:
         assert info is not None
@@ -61,6 +61,7 @@ def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str 
         device_type, hidden_size, max_model_len = llm.device.type, llm.hidden_size, llm.max_model_len
     limits.max_prompt_bytes = args.max_prompt_bytes or (
         default_max_prompt_bytes(tokenizer, max_model_len) if tokenizer is not None else None)
+    template = resolve_chat_template(args.chat_template, tokenizer, args.path)
     chat = ChatRenderer(tokenizer, chat_template=template, encoders=encoders,
                         allowed_media_dir=media_dir, limits=limits, hidden_size=hidden_size,
                         max_model_len=max_model_len, metrics=metrics, sample_rates=sample_rates)

@@ -354,12 +354,17 @@ class EngineCore:
                 text = full[request.num_emitted_chars : end]
                 request.num_emitted_chars = end
         logprobs = None if request.logprobs is None else request.logprobs[first : request.num_emitted_tokens]
-        return RequestDelta(
+        delta = RequestDelta(
             request_id=request.request_id, new_token_ids=request.output_token_ids[first:],
             new_text=text, new_logprobs=logprobs, finished=finished,
             finish_reason=request.status.value if finished else None, stop_reason=request.stop_reason,
             error=request.error if finished else None,
         )
+        if first == 0:  # the first delta: what the caller could not know when it submitted
+            delta.prompt_logprobs = request.prompt_logprobs
+            if request.mm_features:
+                delta.prompt_token_ids = list(request.prompt_token_ids)
+        return delta
 
     # ----------------------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
