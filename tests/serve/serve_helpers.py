@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+TEMPLATE_FILE = ROOT / "docs" / "chat_templates" / "content_only.jinja"  # the README's example template
+TEMPLATE = TEMPLATE_FILE.read_text()  # each message's content as it is
 
 
 def free_port() -> int:

@@ -1,13 +1,15 @@
-"""`bridge serve RUN_DIR` over a tiny trained Bridge checkpoint (the shapes demo, a few steps): chat
-with an image equals `Bridge.from_checkpoint(...).generate`, a repeated image is encoded once, images
-over the request's pixel budget and parts over the item limit are refused before anything is decoded,
-and SIGTERM lets a running stream finish, then exits 0."""
+"""`bridge serve RUN_DIR` over a tiny trained Bridge checkpoint (the shapes demo, a few steps), started
+as the README prints it: chat with an image, rendered with the template the run's recipe gives (its
+tokenizer has none), equals `Bridge.from_checkpoint(...).generate` token for token, a repeated image
+is encoded once, images over the request's pixel budget and parts over the item limit are refused
+before anything is decoded, and SIGTERM lets a running stream finish, then exits 0."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+import shlex
 import signal
 import threading
 import time
@@ -17,7 +19,7 @@ import httpx
 import openai
 import pytest
 from helpers import png_header
-from serve_helpers import TEMPLATE, ServerProcess
+from serve_helpers import TEMPLATE_FILE, ServerProcess
 
 from bridge.cli import main
 from bridge.data.sources import build_datasets
@@ -42,12 +44,37 @@ def images():
     return [held_out[i].media["image"][0] for i in range(2)]
 
 
+def readme_serve_lines() -> list[list[str]]:
+    """The `bridge serve ...` command lines of the README's Serve section, split as a shell would."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n## Serve\n"):]
+    section = section[:section.index("\n## ", 1)]
+    return [shlex.split(line.split("#", 1)[0]) for line in section.splitlines()
+            if line.strip().startswith("bridge serve ")]
+
+
+def test_the_readme_serve_lines_name_files_that_exist():
+    lines = readme_serve_lines()
+    assert any(line[2] == "runs/shapes" for line in lines), lines
+    templates = [line[i + 1] for line in lines for i, arg in enumerate(line) if arg == "--chat-template"]
+    assert templates, "the README shows --chat-template"
+    for name in templates:
+        assert (ROOT / name).is_file(), f"the README's --chat-template {name} is not in the repository"
+    assert (ROOT / templates[0]).resolve() == TEMPLATE_FILE.resolve()  # the one the server tests use
+
+
 @pytest.fixture(scope="module")
 def run_server(shapes_run, tmp_path_factory):
-    template = tmp_path_factory.mktemp("serve_ckpt") / "t.jinja"
-    template.write_text(TEMPLATE)
-    server = ServerProcess(shapes_run, template.parent / "server.log", "--chat-template", str(template),
-                           "--max-model-len", "96", "--num-kv-blocks", "64")
+    """The README's `bridge serve runs/shapes ...` line as printed (its port replaced by a free one, run
+    from the repository root), with a small KV cache for the test box and the info log."""
+    line = next(line for line in readme_serve_lines() if line[2] == "runs/shapes")
+    flags = line[3:]
+    if "--port" in flags:
+        at = flags.index("--port")
+        del flags[at:at + 2]
+    log = tmp_path_factory.mktemp("serve_ckpt") / "server.log"
+    server = ServerProcess(shapes_run, log, *flags, "--max-model-len", "96", "--num-kv-blocks", "64",
+                           "--log-level", "info")
     yield server
     server.stop()
 
@@ -62,19 +89,24 @@ def _image_message(image) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}}]}]
 
 
-def test_chat_with_an_image_equals_the_bridge_api_and_encodes_once(run_server, shapes_run, images):
+@pytest.fixture(scope="module")
+def bridge_api(shapes_run):
     from bridge.api import Bridge
 
-    bridge = Bridge.from_checkpoint(shapes_run, device="cpu")
-    want = [o.outputs[0].text for o in bridge.generate([{"text": "<image>", "image": im} for im in images],
-                                                        max_tokens=8)]
+    return Bridge.from_checkpoint(shapes_run, device="cpu")
+
+
+def test_chat_with_an_image_equals_the_bridge_api_and_encodes_once(run_server, bridge_api, images):
+    outs = bridge_api.generate([{"text": "<image>", "image": im} for im in images], max_tokens=8)
+    want = [o.outputs[0].text for o in outs]
     client = openai.OpenAI(base_url=run_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     before = run_server.metrics()
     got = []
-    for image in images:
+    for image, out in zip(images, outs):
         r = client.chat.completions.create(model="shapes", messages=_image_message(image), temperature=0.0,
-                                           max_tokens=8)
+                                           max_tokens=8, extra_body={"return_token_ids": True})
         got.append(r.choices[0].message.content)
+        assert r.choices[0].model_dump()["token_ids"] == out.outputs[0].token_ids
     assert got == want
     for _ in range(3):  # the first image again: served from the encoder cache
         r = client.chat.completions.create(model="shapes", messages=_image_message(images[0]),
@@ -124,6 +156,51 @@ def test_more_media_parts_than_the_limit_are_refused_before_any_is_read(run_serv
     error = r.json()["error"]
     assert error["param"] == "messages[1].content[24]" and "more than 64 media items" in error["message"]
     assert "--max-media-items" in error["message"]
+
+
+def test_a_run_without_a_tokenizer_template_chats_in_its_recipe_prompt_format(run_server, bridge_api, images):
+    """The run's tokenizer has no chat template: the server renders with the one its recipe's data.prompt
+    gives (logged once), so a user turn holding the image and text is the prompt Bridge.generate builds
+    from the same item, token for token: the prompt ids (placeholder expanded) and the answer's."""
+    assert bridge_api.tokenizer.chat_template is None
+    text = "what shape is this"
+    item = {"prompt": "<image>\n" + text, "image": images[0]}  # data.prompt "<image>": parts joined by "\n"
+    want = bridge_api.generate([item], max_tokens=8)[0]
+    (request,) = bridge_api.build_requests([item])
+    message = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(images[0])}},
+                                            {"type": "text", "text": text}]}]
+    r = httpx.post(run_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "shapes", "messages": message, "max_tokens": 8, "temperature": 0.0,
+        "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["prompt_token_ids"] == request["prompt_token_ids"]
+    assert body["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    assert body["choices"][0]["message"]["content"] == want.outputs[0].text
+    log = run_server.log_path.read_text(errors="replace")
+    assert log.count("chat template: the run's recipe data.prompt '<image>'") == 1, log[-2000:]
+    run_server.wait_idle()
+
+
+def test_the_chat_template_order_and_the_recipe_separator(shapes_run, tmp_path):
+    from bridge.serve.chat_template import recipe_part_separator, resolve_chat_template
+    from runner.llm import load_tokenizer
+
+    assert [recipe_part_separator(p) for p in ("<image>", "<image>\nDescribe the image.", "Describe: <image>",
+                                               "<image>Name it", "<audio> \n Transcribe:")] == \
+        ["\n", "\n", " ", "", " \n "]
+    tokenizer = load_tokenizer(shapes_run / "checkpoints" / "step_2" / "llm")
+    recipe = resolve_chat_template(None, tokenizer, shapes_run)
+    assert recipe.special_prefix and recipe.part_separator == "\n" and "'<image>'" in recipe.origin
+    own = resolve_chat_template(str(TEMPLATE_FILE), tokenizer, shapes_run)  # --chat-template wins
+    assert own.source == TEMPLATE_FILE.read_text() and not own.special_prefix
+    tokenizer.chat_template = "{{ messages[0]['content'] }}"  # then the tokenizer's own
+    assert resolve_chat_template(None, tokenizer, shapes_run).source is None
+    tokenizer.chat_template = None
+    plain = tmp_path / "model"  # a HF model dir with no template and no run around it: none
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    assert resolve_chat_template(None, tokenizer, plain) is None
 
 
 def test_sigterm_lets_the_running_stream_finish_then_exits_0(run_server, images):

@@ -99,7 +99,7 @@ BAD_FIELDS = {
     "temperature": ["hot", -1, True, [], {}],
     "top_p": ["a", 0, -0.5, 1.5, True, []],
     "top_k": ["a", -2, 1.5, True, []],
-    "seed": ["a", 1.5, True, [], 2**70],
+    "seed": ["a", 1.5, True, [], 2**70, 2**63, -(2**63) - 1],
     "stop": [5, [5], [""], "", {"a": 1}, [None]],
     "stop_token_ids": ["a", [1.5], ["a"], 5, [2**70]],
     "ignore_eos": ["yes", 1, [], None],
@@ -113,9 +113,22 @@ BAD_FIELDS = {
     "stream_options": ["a", 1, {"include_usage": "yes"}],
     "user": [5, [], {}],
     "model": [5, [], "no-such-model"],
-    "echo": [True, "yes"],
+    "echo": ["yes", 1],
     "suffix": ["x", 5],
     "skip_special_tokens": ["no", 0],
+    # vLLM's fields: wrong types and values, and those this server refuses
+    "prompt_logprobs": ["1", -2, -1, 21, 1.5, True],
+    "include_stop_str_in_output": ["yes", 1],
+    "return_token_ids": ["yes", 1],
+    "return_tokens_as_token_ids": ["yes"],
+    "add_special_tokens": ["no", 0],
+    "min_p": [0.5, "a"],
+    "logit_bias": [{"1": 5}],
+    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}, "text"],
+    "structured_outputs": [{"choice": ["a"]}],
+    "use_beam_search": [True],
+    "tools": [[{"type": "function", "function": {"name": "f"}}]],
+    "cache_salt": ["salt"],
 }
 
 BAD_MESSAGES = [
