@@ -192,6 +192,9 @@ def test_stop_strings_trim_text(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
     assert len(out.token_ids) < len(full.token_ids)
+    kept = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop],
+                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: cut + len(stop)] and kept.token_ids == out.token_ids  # vLLM's field
     _assert_all_free(llm)
 
 

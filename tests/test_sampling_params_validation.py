@@ -44,6 +44,7 @@ from runner.sampling_params import SamplingParams
         ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"skip_special_tokens": 0}, "skip_special_tokens"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ],
 )
 def test_bad_field_is_a_value_error_naming_it(kwargs, field):

@@ -187,9 +187,9 @@ def build_app(state: ServerState) -> Guards:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         echo_logprobs = body.echo and body.logprobs is not None
         if echo_logprobs and prompt_logprobs is None:
-            prompt_logprobs = body.logprobs  # vLLM: echo's prompt logprobs have the output's k
+            prompt_logprobs = body.logprobs  # vLLM: echo shows the prompt logprobs, top k of logprobs
         options = ResponseOptions(
-            return_token_ids=bool(body.return_token_ids), prompt_logprobs=body.prompt_logprobs is not None,
+            return_token_ids=bool(body.return_token_ids), prompt_logprobs=prompt_logprobs is not None,
             echo=await echo_texts(body, state.tokenizer) if body.echo else None, echo_logprobs=echo_logprobs,
             prompt_only=body.echo and max_tokens == 0)
         params = samples_params(body, max_tokens=max(max_tokens, 1), logprobs=body.logprobs,
