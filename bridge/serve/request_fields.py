@@ -23,7 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bridge.serve.errors import ApiError, bounded
+from bridge.messages import bounded
+from bridge.serve.errors import ApiError
 from bridge.serve.structured_outputs import STRUCTURED_OUTPUT_FIELDS, check_structured_outputs
 
 logger = logging.getLogger("bridge.serve")
