@@ -86,7 +86,7 @@ def test_request_body_is_vllm_completions_format_field_by_field():
         "top_p": 0.9, "top_k": 5, "n": 1, "seed": 11, "stop": ["x y"], "stop_token_ids": [3, 4],
         "ignore_eos": True, "min_tokens": 1, "logprobs": 1, "return_tokens_as_token_ids": True,
         "repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": -0.1,
-        "skip_special_tokens": True, "return_token_ids": True,
+        "skip_special_tokens": True, "include_stop_str_in_output": False, "return_token_ids": True,
     }
     # prompt_embeds is base64 of torch.save of the (n, hidden) tensor, dtype kept, as vLLM loads it
     loaded = torch.load(io.BytesIO(base64.b64decode(body["prompt_embeds"])), weights_only=True)

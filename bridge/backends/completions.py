@@ -17,6 +17,7 @@ from typing import Any
 
 from bridge.backends.errors import RemoteError
 from bridge.messages import bounded
+from bridge.sampling_fields import PASSTHROUGH_FIELDS
 from runner.outputs import CompletionOutput, RequestOutput
 from runner.sampling_params import SamplingParams
 
@@ -34,22 +35,15 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
         "top_p": params.top_p,
         "top_k": params.top_k,
         "n": 1,
-        "ignore_eos": params.ignore_eos,
-        "min_tokens": params.min_tokens,
-        "repetition_penalty": params.repetition_penalty,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "skip_special_tokens": params.skip_special_tokens,
         "return_token_ids": True,
     }
+    for name in PASSTHROUGH_FIELDS:
+        value = getattr(params, name)
+        fields[name] = list(value) if isinstance(value, (tuple, list)) else value
     if params.seed is not None:
         fields["seed"] = params.seed
     if params.stop_strings:
         fields["stop"] = list(params.stop_strings)
-        if params.include_stop_str_in_output:
-            fields["include_stop_str_in_output"] = True
-    if params.stop_token_ids:
-        fields["stop_token_ids"] = list(params.stop_token_ids)
     if params.logprobs is not None:
         fields["logprobs"] = params.logprobs
         fields["return_tokens_as_token_ids"] = True

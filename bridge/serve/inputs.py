@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from bridge.sampling_fields import PASSTHROUGH_FIELDS
 from bridge.serve.errors import ApiError
 from bridge.serve.ingest import DecodedEmbeds
 from bridge.serve.metrics import ServeMetrics
@@ -93,12 +94,8 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_toke
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
-            seed=seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
+            seed=seed, stop=body.stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            **{name: getattr(body, name) for name in PASSTHROUGH_FIELDS},
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), param=_field_of(str(exc))) from None
