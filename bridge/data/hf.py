@@ -264,6 +264,7 @@ def scan_hf(spec: str, *, prompt: str, target_field: str = "text", columns: Mapp
     checked = {} if checked is None else checked
     byte_limit = None if max_target_tokens is None else max_target_tokens - TARGET_TOKEN_SLACK
     try:
+        _datasets()  # pyarrow comes with it
         parts = _parts(spec)
     except ValueError as exc:
         scan.add(f"{spec}: {exc}" if str(spec) not in str(exc) else str(exc))
@@ -312,6 +313,7 @@ class HFDataset:
     def __init__(self, spec: str, *, prompt: str = "<image>", target_field: str = "text",
                  columns: Mapping[str, str] | None = None, media_root: str | Path | None = None,
                  media_limits: MediaLimits | None = None, skip_bad_rows: bool = False):
+        _datasets()
         self.spec = str(spec)
         self.prompt = prompt
         self.media_root = Path(media_root) if media_root else None

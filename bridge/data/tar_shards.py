@@ -3,13 +3,13 @@
 A shard is a plain tar whose files are grouped into samples by key, as webdataset groups them:
 `KEY.EXT` with the key running up to the first dot of the file name (`train/0001.jpg` and
 `train/0001.txt` are one sample, key `train/0001`; `a.seg.png` has the extension `seg.png`),
-consecutive files with the same key forming one sample, extensions compared in lower case, files
-named `__...__` ignored. A sample holds one media file (`png`, `jpg`, `jpeg`, `webp`, `bmp`, `gif`,
-`tif`, `tiff`; `wav` for audio; `graph.json` for a graph) and its text: `KEY.txt` (the target) or
-`KEY.json` (an object whose `data.target_field` is the target, whose `prompt` may be the sample's own
-prompt, and whose fields the recipe's `{field}`s name). `data.columns` picks other extensions
-(`{image: jpg, text: caption.txt}`). `data.train` takes a brace pattern
-(`shards/train-{00000..00099}.tar`) or a glob.
+consecutive files with the same key forming one sample, extensions compared in lower case, metadata
+(`__...__` names, and what lies in `__...__/` folders) ignored. A sample holds one media file (`png`,
+`jpg`, `jpeg`, `webp`, `bmp`, `gif`, `tif`, `tiff`; `wav` for audio; `graph.json` for a graph) and
+its text: `KEY.txt` (the target) or `KEY.json` (an object whose `data.target_field` is the target,
+whose `prompt` may be the sample's own prompt, and whose fields the recipe's `{field}`s name).
+`data.columns` picks other extensions (`{image: jpg, text: caption.txt}`). `data.train` takes a
+brace pattern (`shards/train-{00000..00099}.tar`) or a glob.
 
 Why plain `tarfile` and not the webdataset library's pipeline: the trainer's data order is a pure
 function of (seed, step), which is what makes a resumed run continue exactly, ranks take disjoint
@@ -108,7 +108,8 @@ def _samples(tf: tarfile.TarFile, label: str) -> Iterator[tuple[_Sample, str | N
             tf.members = []  # only the offsets are kept (below): a shard's TarInfo list would grow
         if member is None:
             break
-        if not member.isfile() or _META.search(member.name):
+        name = member.name
+        if not member.isfile() or _META.match(name) or ("/" not in name and name[:2] == name[-2:] == "__"):
             continue
         key, ext = split_key(member.name)
         if key is None:
