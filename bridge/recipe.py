@@ -61,6 +61,12 @@ _ECHO = 120
 #: llm_hidden_size used to check an encoder section when the LLM's is unknown (a broken model key)
 _PROBE_HIDDEN = 8
 SYNTHETIC_SOURCES = ("shapes", "tones", "graphs")
+#: sources read from the user's files (data.train / data.eval)
+FILE_SOURCES = ("jsonl", "llava", "hf", "webdataset")
+#: sources whose data.train / data.eval may be a brace or glob pattern of several files
+PATTERN_SOURCES = ("hf", "webdataset")
+#: data.columns keys: what a row's columns (hf) or a sample's files (webdataset) are read as
+COLUMN_ROLES = ("image", "audio", "graph", "text", "prompt")
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,8 @@ class Field:
     lo_open: bool = False
     must_exist: bool = True
     references: bool = False
+    #: a path that may be a brace / glob pattern (checked against data.source after the leaf check)
+    pattern: bool = False
 
 
 #: the largest micro-batch / accumulation / loss slice a recipe may ask for: far past any real run,
@@ -170,27 +178,59 @@ SCHEMA: dict[str, Any] = {
     "data": {
         "source": Field(
             "jsonl",
-            "jsonl, a built-in synthetic set (shapes, tones, graphs), or 'package.module:ClassName' "
-            "of a dataset class taking (num_items, seed=, split=, prompt=, **options).",
+            "jsonl (rows with a caption and media paths), llava (LLaVA's conversation JSON / JSONL), hf "
+            "(a local Hugging Face datasets folder or parquet files), webdataset (local tar shards), a "
+            "built-in synthetic set (shapes, tones, graphs), or 'package.module:ClassName' of a dataset "
+            "class taking (num_items, seed=, split=, prompt=, **options).",
             (str,),
-            ("jsonl", *SYNTHETIC_SOURCES),
+            (*FILE_SOURCES, *SYNTHETIC_SOURCES),
             references=True,
         ),
-        "train": Field(None, "JSONL training rows (source=jsonl).", (str, type(None)), is_path=True),
-        "eval": Field(None, "JSONL held-out rows (source=jsonl).", (str, type(None)), is_path=True),
+        "train": Field(
+            None,
+            "Training data (file sources): a JSONL / LLaVA JSON file; for hf a save_to_disk folder or a "
+            "parquet file; for webdataset a tar shard. hf and webdataset take a brace pattern "
+            "(shards/train-{00000..00099}.tar) or a glob (parquet/*.parquet) too.",
+            (str, type(None)),
+            is_path=True,
+            pattern=True,
+        ),
+        "eval": Field(
+            None, "Held-out data, in the same form as data.train.", (str, type(None)), is_path=True,
+            pattern=True,
+        ),
         "media_root": Field(
             None,
-            "Directory media paths in JSONL rows are relative to (default: the JSONL file's directory).",
+            "Directory media paths in rows are relative to (default: the data file's directory).",
             (str, type(None)),
             is_path=True,
         ),
         "prompt": Field(
-            "<image>",
-            "Prompt template: text with placeholders (<image>, <audio>, <graph>) "
-            "and optional {field} references to the row.",
-            (str,),
+            None,
+            "Prompt template: text with placeholders (<image>, <audio>, <graph>) and optional {field} "
+            "references to the row. For llava the format of each human turn ({value} is its text), used "
+            "when the tokenizer has no chat template. null: '{value}' for llava, else '<image>'.",
+            (str, type(None)),
         ),
-        "target_field": Field("text", "Row field holding the target text.", (str,)),
+        "target_field": Field(
+            "text", "Row field holding the target text (webdataset: the field of KEY.json).", (str,)
+        ),
+        "columns": Field(
+            {},
+            "hf: the dataset's column for each role, e.g. {image: img, text: caption} (roles: "
+            + ", ".join(COLUMN_ROLES)
+            + "; default: the role's own name, text: data.target_field). webdataset: the file "
+            "extension for a role, e.g. {image: jpg, text: caption.txt}.",
+            (dict,),
+            free_form=True,
+        ),
+        "skip_bad_rows": Field(
+            False,
+            "false: a malformed row stops the run before it starts, naming file:line (or shard:key). "
+            "true: such rows are skipped and counted (skipped_rows in metrics.jsonl and the summary); a "
+            "file that cannot be read still stops the run.",
+            (bool,),
+        ),
         "truncate": Field(
             False,
             "A target longer than the model's context: false refuses the run before it starts, naming "
@@ -489,10 +529,16 @@ def _check_leaf(path: str, field: Field, value: Any, base_dir: Path | None, prob
             problems.append(problem)
     if field.is_path and value is not None:
         resolved = resolve_path(value, base_dir)
-        if field.must_exist and not resolved.exists():
+        if field.must_exist and not resolved.exists() and not (field.pattern and _is_pattern(value)):
             problems.append(f"{path}: {_not_found(resolved)}")
         value = str(resolved)
     return copy.deepcopy(value)
+
+
+def _is_pattern(value: str) -> bool:
+    from bridge.data.paths import is_pattern  # the data package's: one definition of a pattern
+
+    return is_pattern(value)
 
 
 def _validate_level(
@@ -613,11 +659,61 @@ def _check_encoder(r: Node, problems: list[str]) -> None:
     problems.extend(f"encoder.{p}" for p in encoder_config_problems(cfg))
     modality = _encoder_modality(cfg)
     placeholder = {m: p for p, m in PLACEHOLDERS.items()}.get(modality or "")
+    if r.data.source == "llava":  # the rows' human turns hold the placeholders
+        return
     if placeholder and isinstance(r.data.prompt, str) and placeholder not in r.data.prompt:
         problems.append(
             f"data.prompt: {_show(r.data.prompt)} has no {placeholder} placeholder for the {modality} "
             f"encoder (the encoder's rows go where it stands)"
         )
+
+
+def _check_data(r: Node, problems: list[str]) -> None:
+    """data.train / eval against the source (patterns, existence), data.columns, and the prompt's
+    per-source default and meaning."""
+    data = r.data
+    source = data.source
+    if data.prompt is None:
+        data["prompt"] = "{value}" if source == "llava" else "<image>"
+    if source in FILE_SOURCES and data.train is None:
+        problems.append(f"data.train: required when data.source is {source}")
+    for key in ("train", "eval"):
+        value = data[key]
+        if not isinstance(value, str) or os.path.exists(value) or not _is_pattern(value):
+            continue  # the leaf check named a missing plain path
+        if source not in PATTERN_SOURCES:
+            problems.append(f"data.{key}: file or directory not found: {value} (brace and glob patterns "
+                            f"are for data.source {' and '.join(PATTERN_SOURCES)})")
+            continue
+        from bridge.data.paths import expand_data_paths
+
+        try:
+            expand_data_paths(value)
+        except ValueError as exc:
+            problems.append(f"data.{key}: {exc}")
+    columns = data.columns
+    if isinstance(columns, Mapping) and columns:
+        if source not in PATTERN_SOURCES:
+            problems.append(f"data.columns: only data.source {' and '.join(PATTERN_SOURCES)} read columns")
+        for role, name in columns.items():
+            if role not in COLUMN_ROLES:
+                close = difflib.get_close_matches(str(role), COLUMN_ROLES, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                problems.append(f"data.columns: unknown role {_show(role)}{hint}; roles: "
+                                f"{', '.join(COLUMN_ROLES)}")
+            elif not isinstance(name, str) or not name:
+                problems.append(f"data.columns.{role}: expected a column name, got {_show(name)}")
+    if source == "llava" and isinstance(data.prompt, str):
+        from bridge.data.conversation import format_user_turn
+        from bridge.data.example import PLACEHOLDER_RE
+
+        try:
+            format_user_turn(data.prompt, "")
+        except ValueError as exc:
+            problems.append(f"data.prompt: {exc}")
+        if PLACEHOLDER_RE.search(data.prompt):
+            problems.append(f"data.prompt: {_show(data.prompt)} formats each human turn of a llava row, "
+                            "whose own text holds its <image> placeholders; leave them out of the format")
 
 
 def _check_semantics(r: Node, problems: list[str]) -> None:
@@ -628,8 +724,7 @@ def _check_semantics(r: Node, problems: list[str]) -> None:
         _check_tiny(r.model.tiny, problems)
     if r.encoder is None:
         problems.append("encoder: missing (the encoder config for encoders.api.build_encoder)")
-    if r.data.source == "jsonl" and r.data.train is None:
-        problems.append("data.train: required when data.source is jsonl")
+    _check_data(r, problems)
     betas = r.train.betas
     if (
         not isinstance(betas, list)
@@ -801,11 +896,23 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): data}
 
 
+def _schema_default(key: str) -> Any:
+    node: Any = SCHEMA
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node.default if isinstance(node, Field) else _MISSING
+
+
 def recipe_changes(old: Mapping, new: Mapping) -> list[tuple[str, Any, Any]]:
-    """(key path, old value, new value) for every leaf that differs, sorted by key."""
+    """(key path, old value, new value) for every leaf that differs, sorted by key. A key the old
+    recipe lacks and the new one holds at its default is no change: the old recipe was written
+    before the key existed, and ran as the default runs."""
     a, b = _flatten(old), _flatten(new)
     return [
-        (k, a.get(k, _MISSING), b.get(k, _MISSING)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+        (k, a.get(k, _MISSING), b.get(k, _MISSING)) for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and not (k not in a and b.get(k) == _schema_default(k))
     ]
 
 

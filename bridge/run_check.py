@@ -1,10 +1,12 @@
 """What `bridge train` checks after the recipe and before it writes anything: the output folder can
-be made and written to, and the recipe's JSONL data can be read (every row, every media path) and
-fits the model's context.
+be made and written to, and the recipe's data files can be read (every row, every media path) and
+fit the model's context.
 
-Each problem is one line naming the folder or `file:line`; all of them are found in one pass and
-the caller shows the first few with a count (`RunCheck.lines`). Nothing here creates the output
-folder: a refused run leaves the disk as it was.
+Each problem is one line naming the folder or `file:line` (a tar shard's sample: `shard:key`); all
+of them are found in one pass and the caller shows the first few with a count (`RunCheck.lines`).
+With `data.skip_bad_rows` a malformed row is not a problem but a note (the run skips it); a file
+that cannot be read stays a problem. Nothing here creates the output folder: a refused run leaves the
+disk as it was.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bridge.data.jsonl_check import KEEP_PROBLEMS, scan_jsonl
+from bridge.data.jsonl_check import KEEP_PROBLEMS, DataScan, scan_jsonl
 
 #: the tiny-model builder's context when `model.tiny.max_position_embeddings` is not set
 TINY_DEFAULT_CONTEXT = 1024
@@ -116,67 +118,126 @@ def _recipe_tokenizer(recipe):
 
     words = recipe.model.tiny.get("vocab_words")
     if words is None:
-        words = target_words(_targets(Path(recipe.data.train), recipe.data.target_field))
+        words = target_words(target_texts(recipe.data))
     return build_tokenizer(words)
 
 
-def _targets(path: Path, target_field: str):
-    with path.open("rb") as handle:
-        for raw in handle:
-            if raw.strip():
-                row = json.loads(raw)
-                if isinstance(row, dict) and isinstance(row.get(target_field), str):
-                    yield row[target_field]
+def target_texts(data):
+    """The targets of the training set, as the data set reads them (for a tiny model's vocabulary):
+    what `vocab_words` of the run's data set will see."""
+    if data.source == "jsonl":
+        with Path(data.train).open("rb") as handle:
+            for raw in handle:
+                if raw.strip():
+                    try:
+                        row = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if isinstance(row, dict) and isinstance(row.get(data.target_field), str):
+                        yield row[data.target_field]
+    elif data.source == "llava":
+        from bridge.data.llava import assistant_texts
+
+        yield from assistant_texts(data.train)
+    elif data.source == "hf":
+        from bridge.data.hf import hf_target_texts
+
+        yield from hf_target_texts(data.train, target_field=data.target_field, columns=data.columns)
+    elif data.source == "webdataset":
+        from bridge.data.tar_shards import shard_target_texts
+
+        yield from shard_target_texts(data.train, target_field=data.target_field, columns=data.columns)
+
+
+def scan_data_file(data, name: str, context: int | None, checked: dict) -> DataScan:
+    """The pass over `data[name]` (train or eval) for the recipe's file source."""
+    source = data.source
+    if source == "jsonl":
+        return scan_jsonl(data[name], prompt=data.prompt, target_field=data.target_field,
+                          media_root=data.media_root, max_target_tokens=context, checked=checked)
+    if source == "llava":
+        from bridge.data.llava import scan_llava
+
+        return scan_llava(data[name], prompt=data.prompt, media_root=data.media_root,
+                          max_target_tokens=context, checked=checked)
+    if source == "hf":
+        from bridge.data.hf import scan_hf
+
+        return scan_hf(data[name], prompt=data.prompt, target_field=data.target_field, columns=data.columns,
+                       media_root=data.media_root, max_target_tokens=context, checked=checked)
+    from bridge.data.tar_shards import scan_shards
+
+    return scan_shards(data[name], prompt=data.prompt, target_field=data.target_field, columns=data.columns,
+                       max_target_tokens=context)
 
 
 def check_data(recipe, check: RunCheck) -> None:
-    """Every row and media path of the recipe's JSONL train and eval files, and their targets
-    against the model's context (`data.truncate` decides between a problem and a note)."""
+    """Every row and media path of the recipe's train and eval data (file sources), and their
+    targets against the model's context (`data.truncate` decides between a problem and a note).
+    With `data.skip_bad_rows` malformed rows become a note; a bad file stays a problem, and so does
+    a file whose every row is bad."""
     data = recipe.data
-    if data.source != "jsonl":
+    if data.source not in ("jsonl", "llava", "hf", "webdataset"):
         return
     context = recipe_context(recipe)
     checked: dict[tuple[str, str], str | None] = {}
-    long_rows: list[tuple[Path, int, str]] = []
+    long_rows: list[tuple[str, str]] = []
+    skipped: list[tuple[str, DataScan]] = []
     for name in ("train", "eval"):
         if data.get(name) is None:
             continue
-        scan = scan_jsonl(data[name], prompt=data.prompt, target_field=data.target_field,
-                          media_root=data.media_root, max_target_tokens=context, checked=checked)
-        for problem in scan.problems:
-            check.add(problem)
-        check.num_problems += scan.num_problems - len(scan.problems)
-        long_rows += [(scan.path, line, target) for line, target in scan.long_targets]
+        scan = scan_data_file(data, name, context, checked)
+        if data.skip_bad_rows:
+            for problem in scan.file_problems:
+                check.add(problem)
+            if scan.bad_rows and not scan.file_problems:
+                if scan.bad_rows >= scan.rows:
+                    check.add(f"{scan.path}: every row is malformed (data.skip_bad_rows leaves nothing); "
+                              f"the first: {scan.problems[0]}")
+                else:
+                    skipped.append((name, scan))
+        else:
+            for problem in scan.problems:
+                check.add(problem)
+            check.num_problems += scan.num_problems - len(scan.problems)
+        long_rows += scan.long_targets
+    if skipped:
+        counts = ", ".join(f"{name}: {scan.bad_rows}" for name, scan in skipped)
+        total = sum(scan.bad_rows for _, scan in skipped)
+        first = next(p for _, scan in skipped for p in scan.problems if p not in scan.file_problems)
+        check.notes.append(f"data.skip_bad_rows: {total} malformed row(s) will be skipped ({counts}); the "
+                           f"first: {first}")
     if long_rows and context is not None:
         _check_target_lengths(recipe, long_rows, context, check)
 
 
-def _check_target_lengths(recipe, rows: list[tuple[Path, int, str]], context: int, check: RunCheck) -> None:
+def _check_target_lengths(recipe, rows: list[tuple[str, str]], context: int, check: RunCheck) -> None:
     from bridge.data.tokenize import tokenize_target
 
     try:
         tokenizer = _recipe_tokenizer(recipe)
     except Exception as exc:  # noqa: BLE001  transformers raises many types for a broken tokenizer
-        path, line, _ = rows[0]
-        check.add(f"{path}:{line}: the target may be longer than the model's context ({context}), and the "
+        where, _ = rows[0]
+        check.add(f"{where}: the target may be longer than the model's context ({context}), and the "
                   f"tokenizer to count it could not be loaded: {type(exc).__name__}: {str(exc)[:200]}")
         return
     over = []
-    for path, line, target in rows:
+    for where, target in rows:
         n = len(tokenize_target(tokenizer, target))
         if n > context:
-            over.append((path, line, n))
+            over.append((where, n))
     if not over:
         return
     if recipe.data.truncate:
-        path, line, n = over[0]
+        where, n = over[0]
         check.notes.append(
             f"data.truncate: {len(over)} target(s) longer than the model's context ({context} tokens) "
-            f"are cut to fit (the first: {path}:{line}, {n} tokens)"
+            f"are cut to fit (the first: {where}, {n} tokens)"
         )
         return
-    for path, line, n in over:
-        check.add(f"{path}:{line}: the target is {n} tokens (with EOS), longer than the model's context "
+    what = "conversation's text" if recipe.data.source == "llava" else "target"
+    for where, n in over:
+        check.add(f"{where}: the {what} is {n} tokens (with EOS), longer than the model's context "
                   f"({context}); shorten it, or set data.truncate: true to cut such targets")
 
 

@@ -1,8 +1,10 @@
 """One training/eval example, and the prompt template that turns a row into its prompt text.
 
-Every data source (JSONL rows, the synthetic demo sets) produces `Example`s, so the trainer,
-the evaluation and the Bridge API share one path from "prompt with placeholders + media items"
-to the LLM's input.
+Every data source (JSONL rows, LLaVA conversations, Hugging Face datasets, tar shards, the synthetic
+demo sets) produces `Example`s, so the trainer, the evaluation and the Bridge API share one path from
+"prompt with placeholders + media items" to the LLM's input. A multi-turn conversation is an Example
+with `turns`: it is rendered (chat template or the recipe's turn format) only when it is tokenized,
+where the tokenizer is known (bridge.data.conversation).
 """
 
 from __future__ import annotations
@@ -19,14 +21,36 @@ PLACEHOLDER_RE = re.compile("|".join(re.escape(p) for p in PLACEHOLDERS))
 _WORD_RE = re.compile(r"^[A-Za-z]+$")  # digits are split one by one by Qwen-style tokenizers
 
 
+#: roles of a conversation's turns (LLaVA's "human" / "gpt" are read as user / assistant)
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a conversation: its role and its text (a user turn may hold placeholders)."""
+
+    role: str
+    text: str
+
+
 @dataclass
 class Example:
     """A prompt with placeholders, the media items they stand for (in order, per modality) and
-    the target text the LLM should produce after the prompt."""
+    the target text the LLM should produce after the prompt.
+
+    A conversation sets `turns` (system?, then user / assistant alternating, ending with an
+    assistant turn); the loss then covers every assistant turn, `prompt` is the turns before the last
+    assistant turn in the recipe's turn format (what eval.json shows) and `target` the last assistant
+    turn (what evaluation compares). `turn_format` renders a user turn when the tokenizer has no chat
+    template (`{value}` is the turn's text). `skipped` names bad rows passed over to reach this one
+    (`data.skip_bad_rows`), so a count made in a loader worker reaches the trainer with the batch."""
 
     prompt: str
     target: str
     media: dict[str, list[Any]] = field(default_factory=dict)
+    turns: tuple[Turn, ...] | None = None
+    turn_format: str = "{value}"
+    skipped: tuple[str, ...] = ()
 
 
 def placeholder_modalities(prompt: str) -> list[str]:

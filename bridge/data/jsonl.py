@@ -15,6 +15,9 @@ under a key that is not a modality (`{"img": ...}`), the prompt's placeholders a
 row's media, and each media file's header (image header, WAV header, the whole graph JSON).
 Images are decoded lazily, on access; a file that fails then names `file:line` the same way.
 `check_all_items` decodes every item up front (the eval set does, before training starts).
+
+A row's own problem raises `BadRow` (a ValueError); with `skip_bad_rows` the row is dropped and named
+in `skipped` instead (bridge.data.bad_rows). A file that cannot be read is never skipped.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import string
 from pathlib import Path
 from typing import Any
 
+from bridge.data.bad_rows import BadRow
 from bridge.data.example import PLACEHOLDERS, Example, check_media_matches_prompt, render_prompt
 from bridge.data.media import MEDIA_SUFFIXES, check_media_header, decode_fully, load_media
 from encoders.media_budget import MediaBudget, MediaLimits
@@ -46,8 +50,10 @@ class JsonlDataset:
         target_field: str = "text",
         media_root: str | Path | None = None,
         media_limits: MediaLimits | None = None,
+        skip_bad_rows: bool = False,
     ):
-        """`media_limits`: what one row's media may add up to (pixels, samples, nodes), from headers."""
+        """`media_limits`: what one row's media may add up to (pixels, samples, nodes), from headers.
+        `skip_bad_rows`: drop a malformed row (named in `skipped`) instead of raising BadRow."""
         self.path = Path(path)
         self.media_limits = media_limits or MediaLimits()
         if not self.path.is_file():
@@ -58,32 +64,47 @@ class JsonlDataset:
         self._template_fields = {name for _, name, _, _ in string.Formatter().parse(prompt) if name}
         self.rows: list[dict] = []
         self.line_numbers: list[int] = []
+        self.skip_bad_rows = skip_bad_rows
+        #: "file:line: why" of every row dropped (skip_bad_rows)
+        self.skipped: list[str] = []
         try:
-            text = self.path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{self.path}: not UTF-8 text (byte {exc.start})") from None
+            data = self.path.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{self.path}: cannot be read ({exc.strerror})") from None
         # lines end at "\n" only, as JSONL says: splitlines() would also cut at U+2028 and other
-        # separators that JSON allows inside strings, and misnumber every later line
-        for lineno, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
+        # separators that JSON allows inside strings, and misnumber every later line. Each line is
+        # decoded on its own (as the check before the run does), so one bad line is one bad row.
+        for lineno, raw in enumerate(data.split(b"\n"), start=1):
+            if not raw.strip():
                 continue
-            self.rows.append(self._check_row(line, lineno))
+            try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise BadRow(f"{self.path}:{lineno}: not UTF-8 text (byte {exc.start})") from None
+                self.rows.append(self._check_row(line, lineno))
+            except BadRow as exc:
+                if not skip_bad_rows:
+                    raise
+                self.skipped.append(str(exc))
+                continue
             self.line_numbers.append(lineno)
         if not self.rows:
-            raise ValueError(f"{self.path}: no rows")
+            left = " left after skipping bad ones" if self.skipped else ""
+            raise ValueError(f"{self.path}: no rows{left}")
 
     def _check_row(self, line: str, lineno: int) -> dict:
         where = f"{self.path}:{lineno}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON: {exc.msg} at column {exc.colno}") from None
+            raise BadRow(f"{where}: not valid JSON: {exc.msg} at column {exc.colno}") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{where}: each line must be a JSON object")
+            raise BadRow(f"{where}: each line must be a JSON object")
         if not isinstance(row.get(self.target_field), str):
-            raise ValueError(f"{where}: missing string field {self.target_field!r}")
+            raise BadRow(f"{where}: missing string field {self.target_field!r}")
         if "prompt" in row and not isinstance(row["prompt"], str):
-            raise ValueError(f"{where}: 'prompt' must be a string, got {type(row['prompt']).__name__}")
+            raise BadRow(f"{where}: 'prompt' must be a string, got {type(row['prompt']).__name__}")
         media = {}
         for mod in MEDIA_KEYS:
             media[mod] = _media_paths(row, mod, where)
@@ -92,7 +113,7 @@ class JsonlDataset:
             prompt = row.get("prompt") or render_prompt(self.prompt, row)
             check_media_matches_prompt(prompt, media)
         except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+            raise BadRow(f"{where}: {exc}") from None
         budget = MediaBudget(self.media_limits, scope="row")
         for mod, rels in media.items():
             for rel in rels:
@@ -100,7 +121,7 @@ class JsonlDataset:
                 try:
                     check_media_header(mod, file, budget)
                 except ValueError as exc:
-                    raise ValueError(f"{where}: {mod} file {file}: {exc}") from None
+                    raise BadRow(f"{where}: {mod} file {file}: {exc}") from None
         return row
 
     def _check_unknown_media_keys(self, row: dict, where: str) -> None:
@@ -113,7 +134,7 @@ class JsonlDataset:
                 continue
             values = value if isinstance(value, list) else [value]
             if any(isinstance(v, str) and Path(v).suffix.lower() in MEDIA_SUFFIXES for v in values):
-                raise ValueError(
+                raise BadRow(
                     f"{where}: unknown media key {_short(key)}; media keys are {', '.join(MEDIA_KEYS)}"
                 )
 
@@ -137,7 +158,7 @@ class JsonlDataset:
                 try:
                     items.append(load_media(mod, file))
                 except ValueError as exc:
-                    raise ValueError(f"{where}: {mod} file {file}: {exc}") from None
+                    raise BadRow(f"{where}: {mod} file {file}: {exc}") from None
             if items:
                 media[mod] = items
         return Example(prompt, row[self.target_field], media)
@@ -145,16 +166,30 @@ class JsonlDataset:
     def check_all_items(self) -> None:
         """Decode every item as its encoder will, raising the first failure (naming file:line and
         the media file). A cheap pass for a small set such as the eval set, so a corrupt item is
-        found before training starts rather than at the end of the run."""
+        found before training starts rather than at the end of the run. With skip_bad_rows such a row
+        is dropped (and named in `skipped`) instead."""
+        keep = []
         for index, row in enumerate(self.rows):
             where = f"{self.path}:{self.line_numbers[index]}"
-            for mod in MEDIA_KEYS:
-                for rel in _media_paths(row, mod, where):
-                    file = self.media_root / rel
-                    try:
-                        decode_fully(mod, file)
-                    except ValueError as exc:
-                        raise ValueError(f"{where}: {mod} file {file}: {exc}") from None
+            try:
+                for mod in MEDIA_KEYS:
+                    for rel in _media_paths(row, mod, where):
+                        file = self.media_root / rel
+                        try:
+                            decode_fully(mod, file)
+                        except ValueError as exc:
+                            raise BadRow(f"{where}: {mod} file {file}: {exc}") from None
+            except BadRow as exc:
+                if not self.skip_bad_rows:
+                    raise
+                self.skipped.append(str(exc))
+                continue
+            keep.append(index)
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            self.line_numbers = [self.line_numbers[i] for i in keep]
+            if not self.rows:
+                raise ValueError(f"{self.path}: no rows left after skipping bad rows")
 
 
 def _media_paths(row: dict, modality: str, where: str) -> list[str]:
@@ -164,7 +199,7 @@ def _media_paths(row: dict, modality: str, where: str) -> list[str]:
         return []
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
-        raise ValueError(
+        raise BadRow(
             f"{where}: {modality!r} must be a file path or a list of file paths (strings), got "
             f"{_short(value)}"
         )

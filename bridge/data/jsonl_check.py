@@ -40,23 +40,40 @@ _decode = json.JSONDecoder().decode
 
 
 @dataclass
-class JsonlScan:
-    """What the pass found in one file."""
+class DataScan:
+    """What the pass found in one data file (or set of shards)."""
 
     path: Path
     rows: int = 0
     #: the first KEEP_PROBLEMS problems, "file:line: what"
     problems: list[str] = field(default_factory=list)
     num_problems: int = 0
-    #: (line, target) of rows whose target may exceed the token limit (see the module docstring)
-    long_targets: list[tuple[int, str]] = field(default_factory=list)
+    #: problems of the whole file (unreadable, corrupt, a missing column): never skipped
+    file_problems: list[str] = field(default_factory=list)
+    #: rows with at least one problem (what data.skip_bad_rows would pass over)
+    bad_rows: int = 0
+    #: (where, text) of rows whose target may exceed the token limit (see the module docstring)
+    long_targets: list[tuple[str, str]] = field(default_factory=list)
     #: distinct media paths checked
     media_files: int = 0
+    #: problems kept verbatim (the rest are only counted)
+    keep: int = KEEP_PROBLEMS
+    _last_bad: object = None
 
-    def add(self, problem: str) -> None:
+    def add(self, problem: str, row: object = None) -> None:
+        """One problem; `row` identifies the row it belongs to (None: the whole file's)."""
         self.num_problems += 1
-        if len(self.problems) < KEEP_PROBLEMS:
+        if len(self.problems) < self.keep:
             self.problems.append(problem)
+        if row is None:
+            self.file_problems.append(problem)
+        elif row != self._last_bad:
+            self.bad_rows += 1
+            self._last_bad = row
+
+
+#: the JSONL pass's result (the name it had before other sources shared it)
+JsonlScan = DataScan
 
 
 def path_problem(path: Path | str) -> str | None:
@@ -110,13 +127,13 @@ def scan_jsonl(
     media_root: str | Path | None = None,
     max_target_tokens: int | None = None,
     checked: dict[tuple[str, str], str | None] | None = None,
-) -> JsonlScan:
+) -> DataScan:
     """Check every row of the JSONL file at `path` (see the module docstring). `checked` maps the
     (media root, row path) pairs already checked to their problem (shared between the train and
     eval files); keyed by the strings as written, since building a Path per row would cost more
     than the rest of the row's check."""
     path = Path(path)
-    scan = JsonlScan(path)
+    scan = DataScan(path)
     problem = path_problem(path)
     if problem:
         scan.add(f"{path}: {problem}")
@@ -141,24 +158,24 @@ def scan_jsonl(
             try:
                 row = _decode(raw.decode("utf-8"))
             except UnicodeDecodeError as exc:
-                scan.add(f"{where}: not UTF-8 text (byte {exc.start})")
+                scan.add(f"{where}: not UTF-8 text (byte {exc.start})", lineno)
                 continue
             except json.JSONDecodeError as exc:
-                scan.add(f"{where}: not valid JSON: {exc.msg} at column {exc.colno}")
+                scan.add(f"{where}: not valid JSON: {exc.msg} at column {exc.colno}", lineno)
                 continue
             if not isinstance(row, dict):
-                scan.add(f"{where}: each line must be a JSON object")
+                scan.add(f"{where}: each line must be a JSON object", lineno)
                 continue
             target = row.get(target_field)
             if not isinstance(target, str):
-                scan.add(f"{where}: missing string field {target_field!r}")
+                scan.add(f"{where}: missing string field {target_field!r}", lineno)
             elif byte_limit is not None and len(target) > byte_limit // 4:  # UTF-8: <= 4 bytes a char
                 if len(target.encode()) > byte_limit:
-                    scan.long_targets.append((lineno, target))
-            media = _row_media(row, where, scan)
+                    scan.long_targets.append((where, target))
+            media = _row_media(row, where, scan, lineno)
             if media is None:
                 continue
-            _check_placeholders(row, media, prompt, fields, placeholders, where, scan)
+            _check_placeholders(row, media, prompt, fields, placeholders, where, scan, lineno)
             for mod, rels in media.items():
                 for rel in rels:
                     key = (root, rel)
@@ -167,13 +184,13 @@ def scan_jsonl(
                         why = checked[key] = path_problem(os.path.join(root, rel))
                         scan.media_files += 1
                     if why:
-                        scan.add(f"{where}: {mod} file {Path(root) / rel}: {why}")
+                        scan.add(f"{where}: {mod} file {Path(root) / rel}: {why}", lineno)
     if scan.rows == 0:
         scan.add(f"{path}: no rows")
     return scan
 
 
-def _row_media(row: Mapping, where: str, scan: JsonlScan) -> dict[str, list[str]] | None:
+def _row_media(row: Mapping, where: str, scan: DataScan, lineno: int) -> dict[str, list[str]] | None:
     """The row's media paths per modality (None, with the problem added, when a value is not a
     path string or a list of them)."""
     media: dict[str, list[str]] = {}
@@ -184,7 +201,7 @@ def _row_media(row: Mapping, where: str, scan: JsonlScan) -> dict[str, list[str]
         values = [value] if isinstance(value, str) else value
         if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
             scan.add(f"{where}: {mod!r} must be a file path or a list of file paths (strings), got "
-                     f"{_short(value)}")
+                     f"{_short(value)}", lineno)
             return None
         if values:
             media[mod] = values
@@ -192,22 +209,23 @@ def _row_media(row: Mapping, where: str, scan: JsonlScan) -> dict[str, list[str]
 
 
 def _check_placeholders(row: Mapping, media: Mapping[str, list[str]], template: str, fields: list[str],
-                        placeholders: _Placeholders, where: str, scan: JsonlScan) -> None:
+                        placeholders: _Placeholders, where: str, scan: DataScan, lineno: int) -> None:
     own = row.get("prompt")
     if own is not None and not isinstance(own, str):
-        scan.add(f"{where}: 'prompt' must be a string, got {type(own).__name__}")
+        scan.add(f"{where}: 'prompt' must be a string, got {type(own).__name__}", lineno)
         return
     if own:
         text = own
     elif fields:
         missing = [n for n in fields if n not in row]
         if missing:
-            scan.add(f"{where}: prompt template {_short(template)} references {missing}, which the row lacks")
+            scan.add(f"{where}: prompt template {_short(template)} references {missing}, which the row lacks",
+                     lineno)
             return
         try:
             text = template.format_map(row)
         except (ValueError, KeyError, IndexError, AttributeError) as exc:
-            scan.add(f"{where}: prompt template {_short(template)}: {exc}")
+            scan.add(f"{where}: prompt template {_short(template)}: {exc}", lineno)
             return
     else:
         text = template
@@ -215,4 +233,4 @@ def _check_placeholders(row: Mapping, media: Mapping[str, list[str]], template: 
     given = {mod: len(items) for mod, items in media.items()}
     if wanted != given:
         scan.add(f"{where}: prompt {_short(text)} has placeholders {wanted or '{}'} but the row's items are "
-                 f"{given or '{}'}: each <image>/<audio>/<graph> takes one item of its modality")
+                 f"{given or '{}'}: each <image>/<audio>/<graph> takes one item of its modality", lineno)

@@ -5,24 +5,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from bridge.data.bad_rows import SkipBadRows
 from encoders.registry import resolve_reference
+
+FILE_SOURCES = ("jsonl", "llava", "hf", "webdataset")
 
 
 def build_datasets(data: Mapping[str, Any], seed: int) -> tuple[Any, Any]:
-    """The training set and the held-out set named by a validated recipe's `data` section."""
+    """The training set and the held-out set named by a validated recipe's `data` section. With
+    `data.skip_bad_rows` the sets leave out the malformed rows they find (each names them in
+    `skipped`) and the training set passes over a row that fails only when read (bad_rows.py)."""
     source = data["source"]
     options = dict(data.get("options") or {})
-    if source == "jsonl":
-        from bridge.data.jsonl import JsonlDataset
-
+    if source in FILE_SOURCES:
         if options:
-            raise ValueError(f"data.options: the jsonl source takes no options, got {sorted(options)}")
-        kw = dict(prompt=data["prompt"], target_field=data["target_field"], media_root=data.get("media_root"))
-        train = JsonlDataset(data["train"], **kw)
-        held_out = JsonlDataset(data["eval"], **kw) if data.get("eval") else None
+            raise ValueError(f"data.options: the {source} source takes no options, got {sorted(options)}")
+        skip = bool(data.get("skip_bad_rows"))
+        make = _file_source(source, data, skip)
+        train = make(data["train"])
+        held_out = make(data["eval"]) if data.get("eval") else None
         if held_out is not None:  # evaluated only after training: find a corrupt item now
             held_out.check_all_items()
-        return train, held_out
+        return (SkipBadRows(train) if skip else train), held_out
     cls = _synthetic_class(source)
     try:
         train = cls(data["num_train"], seed=seed, split="train", prompt=data["prompt"], **options)
@@ -30,6 +34,29 @@ def build_datasets(data: Mapping[str, Any], seed: int) -> tuple[Any, Any]:
     except TypeError as exc:
         raise ValueError(f"data.options for source {source!r}: {exc}") from exc
     return train, held_out
+
+
+def _file_source(source: str, data: Mapping[str, Any], skip: bool):
+    """path -> the data set of `source` over that file (or pattern)."""
+    prompt = data.get("prompt") or ("{value}" if source == "llava" else "<image>")
+    common = dict(media_root=data.get("media_root"), skip_bad_rows=skip)
+    if source == "jsonl":
+        from bridge.data.jsonl import JsonlDataset
+
+        return lambda path: JsonlDataset(path, prompt=prompt, target_field=data["target_field"], **common)
+    if source == "llava":
+        from bridge.data.llava import LlavaDataset
+
+        return lambda path: LlavaDataset(path, prompt=prompt, **common)
+    if source == "hf":
+        from bridge.data.hf import HFDataset
+
+        return lambda path: HFDataset(path, prompt=prompt, target_field=data["target_field"],
+                                      columns=data.get("columns") or {}, **common)
+    from bridge.data.tar_shards import ShardDataset
+
+    return lambda path: ShardDataset(path, prompt=prompt, target_field=data["target_field"],
+                                     columns=data.get("columns") or {}, **common)
 
 
 def _synthetic_class(source: str):

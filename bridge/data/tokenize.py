@@ -11,8 +11,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bridge.data.example import PLACEHOLDERS, check_media_matches_prompt
-from runner.multimodal.prompt_text import encode_text, split_at_placeholders
+from bridge.data.example import PLACEHOLDER_RE, PLACEHOLDERS, check_media_matches_prompt
+from runner.multimodal.prompt_text import (
+    encode_text,
+    placeholder_fill_id,
+    special_prefix,
+    split_at_placeholders,
+)
 
 
 @dataclass
@@ -64,6 +69,61 @@ def tokenize_prompt(
     if not out.ids:
         raise ValueError("empty prompt: give text or at least one placeholder")
     return out
+
+
+def tokenize_segments(
+    tokenizer,
+    segments,
+    media: Mapping[str, list[Any]],
+    num_rows: Mapping[str, Callable[[Any], int]],
+) -> tuple[TokenizedPrompt, list[bool]]:
+    """A rendered conversation (bridge.data.conversation.Segment list) -> the sequence and its loss
+    mask (True on every token of a learned segment, its EOS included). The tokenizer's special
+    prefix comes first, as in `tokenize_prompt`; each segment is tokenized on its own, so a learned
+    segment starts and ends on a token boundary, as generation's output does after its prompt.
+    Media items are numbered across the whole conversation, in order, per modality."""
+    check_media_matches_prompt("".join(s.text for s in segments), media)
+    for mod in {m for m, items in media.items() if items}:
+        if mod not in num_rows:
+            raise ValueError(f"no encoder for {mod!r} items (encoders: {sorted(num_rows)})")
+    prefix = special_prefix(tokenizer)
+    out = TokenizedPrompt(list(prefix), [True] * len(prefix))
+    loss = [False] * len(prefix)
+    seen: dict[str, int] = {}
+    for seg in segments:
+        pos = 0
+        for match in PLACEHOLDER_RE.finditer(seg.text):
+            _add_text(tokenizer, seg.text[pos : match.start()], seg.loss, out, loss)
+            mod = PLACEHOLDERS[match.group(0)]
+            idx = seen.get(mod, 0)
+            seen[mod] = idx + 1
+            n = int(num_rows[mod](media[mod][idx]))
+            if n < 1:
+                raise ValueError(f"the {mod} encoder reports {n} rows for an item; expected >= 1")
+            out.spans.append(Span(mod, idx, len(out.ids), n))
+            out.ids.extend([placeholder_fill_id(tokenizer, match.group(0))] * n)
+            out.is_token.extend([False] * n)
+            loss.extend([False] * n)
+            pos = match.end()
+        _add_text(tokenizer, seg.text[pos:], seg.loss, out, loss)
+        if seg.eos:
+            if tokenizer.eos_token_id is None:
+                raise ValueError("the tokenizer has no EOS token; generation could never stop")
+            out.ids.append(tokenizer.eos_token_id)
+            out.is_token.append(True)
+            loss.append(seg.loss)
+    if not any(loss):
+        raise ValueError("the conversation has no assistant token to learn")
+    return out, loss
+
+
+def _add_text(tokenizer, text: str, learned: bool, out: TokenizedPrompt, loss: list[bool]) -> None:
+    if not text:
+        return
+    ids = encode_text(tokenizer, text)
+    out.ids.extend(ids)
+    out.is_token.extend([True] * len(ids))
+    loss.extend([learned] * len(ids))
 
 
 def tokenize_target(tokenizer, target: str) -> list[int]:

@@ -23,8 +23,15 @@ from typing import Any
 
 import torch
 
+from bridge.data.conversation import conversation_segments
 from bridge.data.example import Example
-from bridge.data.tokenize import Span, TokenizedPrompt, tokenize_prompt, tokenize_target
+from bridge.data.tokenize import (
+    Span,
+    TokenizedPrompt,
+    tokenize_prompt,
+    tokenize_segments,
+    tokenize_target,
+)
 from bridge.training.packing import IGNORE, layout_tensors, packed_layout, padded_layout
 
 __all__ = ["IGNORE", "TokenizedExample", "TrainBatch", "collate_examples", "tokenize_example"]
@@ -40,7 +47,12 @@ class TokenizedExample:
 
 
 def tokenize_example(tokenizer, ex: Example, num_rows: Mapping[str, Any]) -> TokenizedExample:
-    """Prompt (placeholders expanded) then target + EOS; the loss covers the target tokens."""
+    """Prompt (placeholders expanded) then target + EOS; the loss covers the target tokens. A
+    conversation (`ex.turns`) is rendered (conversation.py) and the loss covers every assistant
+    turn, its end-of-turn token included, and nothing else."""
+    if ex.turns:
+        seq, loss = tokenize_segments(tokenizer, conversation_segments(tokenizer, ex), ex.media, num_rows)
+        return TokenizedExample(seq, loss)
     tp = tokenize_prompt(tokenizer, ex.prompt, ex.media, num_rows)
     target = tokenize_target(tokenizer, ex.target)
     seq = TokenizedPrompt(
@@ -76,6 +88,8 @@ class TrainBatch:
     segment_ids: torch.Tensor | None = None  # (R, L) long; sample index, -1 on a row's padding tail
     cu_seqlens: torch.Tensor | None = None  # (S + 1,) int32; segment bounds in the flat R * L stream
     max_seqlen: int = 0  # longest segment
+    #: bad rows passed over to build this batch (data.skip_bad_rows), "file:line: why" each
+    skipped: tuple[str, ...] = ()
 
     TENSOR_FIELDS = (
         "input_ids",
@@ -223,4 +237,5 @@ def collate_examples(
         segment_ids=tensors["segment_ids"],
         cu_seqlens=tensors["cu_seqlens"],
         max_seqlen=tensors["max_seqlen"],
+        skipped=tuple(s for ex in examples for s in ex.skipped),
     )

@@ -14,6 +14,7 @@ import torch
 
 from bridge.api import Bridge
 from bridge.atomic_files import write_text_atomic
+from bridge.data.conversation import example_prompt
 from bridge.data.example import normalize_text
 
 
@@ -24,21 +25,24 @@ def evaluate_bridge(
     if n < 1:
         raise ValueError("the evaluation set is empty")
     examples = [dataset[i] for i in range(n)]
+    # a conversation is generated from its turns before the last answer, rendered as in training
+    prompts = [example_prompt(bridge.tokenizer, ex) for ex in examples]
     texts: list[str] = []
     for start in range(0, n, chunk):
         part = examples[start : start + chunk]
         outs = bridge.generate(
-            [{"prompt": ex.prompt, **ex.media} for ex in part], max_tokens=max_tokens, temperature=0.0
+            [{"prompt": p, **ex.media} for p, ex in zip(prompts[start : start + chunk], part)],
+            max_tokens=max_tokens, temperature=0.0,
         )
         texts.extend(o.outputs[0].text for o in outs)
     hits = [normalize_text(t) == normalize_text(ex.target) for t, ex in zip(texts, examples)]
     samples = [
-        {"prompt": ex.prompt, "target": ex.target, "output": t, "match": h}
-        for ex, t, h in list(zip(examples, texts, hits))[:num_samples]
+        {"prompt": p, "target": ex.target, "output": t, "match": h}
+        for p, ex, t, h in list(zip(prompts, examples, texts, hits))[:num_samples]
     ]
     misses = [
-        {"index": i, "prompt": ex.prompt, "target": ex.target, "output": t}
-        for i, (ex, t, h) in enumerate(zip(examples, texts, hits))
+        {"index": i, "prompt": p, "target": ex.target, "output": t}
+        for i, (p, ex, t, h) in enumerate(zip(prompts, examples, texts, hits))
         if not h
     ]
     return {

@@ -5,6 +5,10 @@ the target's tail is what a too-long caption can spare. The cut falls on a token
 target text (the tokenizer's offsets), so the ids the collate makes from the shortened text are a
 prefix of the original ids; EOS still ends the sequence, as in an uncut example.
 
+A conversation (LLaVA rows) loses its last exchanges (a human turn and its answer, with the media
+its turns held) until it fits; when its first answer alone is too long, that answer is cut as a
+target is.
+
 Which examples are cut does not depend on the worker, the rank or the order: item i's cut is a pure
 function of item i. The check before the run (bridge.run_check) counts the targets that alone
 exceed the context; this wrapper also cuts a target that fits alone but not after its prompt.
@@ -51,6 +55,8 @@ class FitToContext:
 
     def fit(self, example: Example) -> Example:
         """`example`, or a copy whose target is cut so that the whole sequence fits the context."""
+        if example.turns:
+            return self._fit_conversation(example)
         media_rows = self._media_rows(example)
         bound = (len(example.prompt.encode()) + _PROMPT_SLACK + media_rows
                  + len(example.target.encode()) + 2)
@@ -68,6 +74,42 @@ class FitToContext:
             )
         return dataclasses.replace(example, target=self._cut(example.target, keep))
 
+    def _length(self, example: Example) -> int:
+        from bridge.training.batching import tokenize_example
+
+        return len(tokenize_example(self.tokenizer, example, self.num_rows).seq.ids)
+
+    def _fit_conversation(self, example: Example) -> Example:
+        if self._length(example) <= self.context:
+            return example
+        turns = list(example.turns or ())
+        while sum(t.role == "assistant" for t in turns) > 1:
+            turns = turns[:-2]  # the last human turn and its answer
+            shorter = _with_turns(example, turns)
+            if self._length(shorter) <= self.context:
+                return shorter
+        answer = turns[-1].text
+        total = len(encode_text(self.tokenizer, " " + answer.strip()))
+        lo, hi, best = 1, total, None
+        while lo <= hi:  # the most answer tokens that fit
+            keep = (lo + hi) // 2
+            try:
+                cut = self._cut(answer, keep)
+            except ValueError:
+                cut = None
+            candidate = _with_turns(example, [*turns[:-1], dataclasses.replace(turns[-1], text=cut)]) \
+                if cut else None
+            if candidate is not None and self._length(candidate) <= self.context:
+                best, lo = candidate, keep + 1
+            else:
+                hi = keep - 1
+        if best is None:
+            raise ValueError(
+                f"the conversation's first human turn alone (media rows included) leaves no room for an "
+                f"answer in the model's context ({self.context}); data.truncate cuts answers only"
+            )
+        return best
+
     def _cut(self, target: str, keep: int) -> str:
         """The longest prefix of `target` that ends on a token boundary and makes <= `keep` tokens."""
         text = " " + target.strip()
@@ -79,3 +121,17 @@ class FitToContext:
                 return cut
             keep -= 1
         raise ValueError("no prefix of the target fits the model's context")
+
+
+def _with_turns(example: Example, turns: list) -> Example:
+    """`example` with only `turns`, and only the media items their placeholders stand for."""
+    from bridge.data.conversation import conversation_example
+    from bridge.data.example import placeholder_modalities
+
+    counts: dict[str, int] = {}
+    for turn in turns:
+        for mod in placeholder_modalities(turn.text):
+            counts[mod] = counts.get(mod, 0) + 1
+    media = {m: items[: counts[m]] for m, items in example.media.items() if counts.get(m)}
+    shorter = conversation_example(tuple(turns), media, example.turn_format)
+    return dataclasses.replace(shorter, skipped=example.skipped)

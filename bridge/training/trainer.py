@@ -137,6 +137,14 @@ class Trainer:
         barrier(self.dist)
 
         self.train_set, self.eval_set = build_datasets(recipe.data, recipe.seed)
+        #: data.skip_bad_rows: the rows the data sets left out when they loaded, and those passed over
+        #: while training (found when read; each batch names them). Counted per rank.
+        self.skipped_at_load = [*_skipped(self.train_set), *_skipped(self.eval_set)]
+        self.skipped_seen: set[str] = set()
+        if self.skipped_at_load and self.dist.is_main:
+            _say(f"data.skip_bad_rows: skipped {len(self.skipped_at_load)} malformed row(s) (train: "
+                 f"{len(_skipped(self.train_set))}, eval: {len(_skipped(self.eval_set))}); the first: "
+                 f"{self.skipped_at_load[0][:300]}")
         words = dataset_vocab_words(self.train_set)
         self.base_llm_dir = prepare_llm_dir(recipe, self.output_dir, words, build=self.dist.is_main, say=_say)
         barrier(self.dist)
@@ -318,6 +326,8 @@ class Trainer:
         total = None
         for k in range(accum):
             batch = stream.next()
+            if batch.skipped:
+                self._passed_over(batch.skipped)
             sync = k == accum - 1 or not self.dist.enabled
             with gradient_sync(self.train_module, sync):
                 with self._autocast():
@@ -345,6 +355,17 @@ class Trainer:
         self.timing.step_s += time.perf_counter() - t0
         self.timing.data_wait_s += stream.take_wait()
         return value
+
+    @property
+    def skipped_rows(self) -> int:
+        """Malformed rows left out so far (data.skip_bad_rows): at load, and passed over in batches."""
+        return len(self.skipped_at_load) + len(self.skipped_seen)
+
+    def _passed_over(self, rows: tuple[str, ...]) -> None:
+        fresh = [r for r in rows if r not in self.skipped_seen]
+        if fresh and self.dist.is_main and not self.skipped_seen:
+            _say(f"data.skip_bad_rows: passing over a row that fails when read: {fresh[0][:300]}")
+        self.skipped_seen.update(fresh)
 
     @torch.no_grad()
     def held_out_loss(self) -> float | None:
@@ -447,6 +468,8 @@ class Trainer:
                         # share of the step time (since the last row) spent waiting for data
                         "data_wait_pct": round(100 * wait_s / max(step_s, 1e-9), 2),
                     }
+                    if self.recipe.data.get("skip_bad_rows"):
+                        row["skipped_rows"] = self.skipped_rows
                     self._write_metrics(metrics_path, row)
                 if eval_every and self.step % eval_every == 0:
                     held_out = self.held_out_loss()
@@ -477,6 +500,8 @@ class Trainer:
             "output_dir": str(self.output_dir),
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
+        if self.recipe.data.get("skip_bad_rows"):
+            summary["skipped_rows"] = self.skipped_rows
         if self.dist.is_main:
             plot_loss(metrics_path, self.output_dir / "loss.png", title=self.recipe.name)
             if self.recipe.eval.enabled and self.eval_set is not None:
@@ -559,6 +584,12 @@ class Trainer:
         torch.set_rng_state(trainer_state["torch_rng"].cpu())
         self.step = int(meta["step"])
         self.resumed_from = path
+
+
+def _skipped(dataset: Any) -> list[str]:
+    """The rows a data set left out when it loaded (data.skip_bad_rows), "file:line: why" each."""
+    rows = getattr(dataset, "skipped", None) if dataset is not None else None
+    return list(rows) if isinstance(rows, list) else []
 
 
 def merged_state_dict(llm: torch.nn.Module) -> dict[str, torch.Tensor]:
