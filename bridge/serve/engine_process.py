@@ -157,9 +157,12 @@ def _receive_forever(owner: int, conn, inbox: queue.SimpleQueue) -> None:
 class _Owners:
     """Which API process each live request belongs to, and each tick's outcome split between them.
 
-    Every API process gets every tick's outcome (at least the snapshot, which its gauges show); the
-    engine's own timings go to API process 0 only, so a histogram summed over processes counts each
-    step once.
+    API process 0 gets every tick's outcome: the engine's timings (so a histogram summed over processes
+    counts each step once) and the snapshot, which the gauges show (their multiprocess mode keeps the
+    most recent value of any process). Every other API process gets a tick's part only when it holds
+    something of its own (admissions, deltas, aborts, a failed step): a part sent to each of N
+    processes every tick cost the engine N pickles and writes per tick, and woke every API process's
+    event loop, on the engine's one thread between its steps.
     """
 
     def __init__(self, count: int) -> None:
@@ -191,6 +194,11 @@ class _Owners:
         if outcome.step_error is not None:
             self.of.clear()  # the failed step's requests were all aborted
         return parts
+
+    @staticmethod
+    def wanted(owner: int, part: TickOutcome) -> bool:
+        """Whether API process `owner` gets this part of a tick (see the class docstring)."""
+        return owner == 0 or bool(part.added or part.deltas or part.aborted_ids or part.step_error)
 
 
 def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, status: Any) -> None:
@@ -264,7 +272,7 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
             parts = owners.split(outcome, aborts)
             subs, aborts = [], {}
             for owner, part in enumerate(parts):
-                if owner not in done:
+                if owner not in done and owners.wanted(owner, part):
                     try:
                         _send(outcomes[owner], ("tick", part))
                     except (BrokenPipeError, OSError):
