@@ -41,10 +41,8 @@ from typing import Any
 import torch
 
 from bridge.serve.arrivals import Arrivals
-from bridge.serve.engine_build import audio_sample_rates, build_ready_llm, resolve_model
 from bridge.serve.engine_loop import EngineFront, EngineTicker, Submission, TickOutcome
 from bridge.serve.metrics import EngineSnapshot, ServeMetrics
-from runner.multimodal.placeholders import placeholder_token
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +208,11 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     outcomes = [out for _, out in connections]
+    # here, not at the module's top: the process that starts this one (`bridge serve`) imports the module
+    # too, and launches the engine before it imports what the routes need
+    from bridge.serve.engine_build import audio_sample_rates, build_ready_llm, resolve_model
+    from runner.multimodal.placeholders import placeholder_token
+
     try:
         model = resolve_model(args.path, verify=not args.no_verify)
         llm = build_ready_llm(model, args)
@@ -330,9 +333,14 @@ class EngineProcess:
         """Wait until the launched engine is built. Raises what building it raised: a ValueError (a bad
         path or option, which `bridge serve` prints as one line) as a ValueError, anything else as a
         RuntimeError with its type and message."""
+        from multiprocessing.connection import wait
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._status.poll(0.5):
+            # the status pipe or the process's end, whichever comes first: no polling interval between
+            # the engine being ready and the API processes hearing of it
+            woke = wait([self._status, self.process.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+            if self._status in woke:
                 try:
                     kind, payload = _recv(self._status)
                 except EOFError:
