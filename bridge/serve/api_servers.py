@@ -131,7 +131,7 @@ class _BringUp:
         from bridge.serve.engine_build import engine_device_type
         from bridge.serve.ingest import spawn_ingest_pool, warm_up
         from bridge.serve.state_builder import ingest_workers
-        from runner.llm import load_tokenizer
+        from runner.hf_config import load_tokenizer
 
         guessed = ingest_workers(self.args, engine_device_type(self.args))
         warming = []

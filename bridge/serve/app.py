@@ -13,7 +13,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -38,7 +38,9 @@ from bridge.serve.protocol import (
     ModelCard,
     ModelList,
 )
-from runner.llm import LLM
+
+if TYPE_CHECKING:
+    from runner.llm import LLM
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}

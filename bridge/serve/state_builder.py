@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.serve.app import ServerState
 from bridge.serve.chat import ChatRenderer
@@ -15,7 +15,10 @@ from bridge.serve.ingest import default_workers
 from bridge.serve.inputs import ServeLimits, default_max_prompt_bytes
 from bridge.serve.media_flags import media_limits
 from bridge.serve.metrics import ServeMetrics
-from runner.llm import LLM, load_tokenizer
+from runner.hf_config import load_tokenizer
+
+if TYPE_CHECKING:
+    from runner.llm import LLM
 
 
 def ingest_workers(args: argparse.Namespace, device_type: str) -> int:
