@@ -1,47 +1,62 @@
-"""Serving throughput: `bridge serve` under N concurrent clients vs offline `LLM.generate`, same requests.
+"""Serving throughput with the official `openai` client: `bridge serve` against offline `LLM.generate`.
 
-One command, GPU (the lead runs it; a few minutes on an H200):
+GPU (the lead runs it; a few minutes on an H200), and the CPU smoke (tiny model, under a minute):
 
-    python benchmarks/serve.py [--clients 16,64,256] [--out results.json]
+    python3 benchmarks/serve.py [--out results.json]
+    python3 benchmarks/serve.py --smoke
 
-W1's model (benchmarks/generate.py: Qwen3-0.6B-shaped, random bf16): every request is 512 prompt-embeds
-rows (base64 `torch.save` payloads, vLLM's wire format) and 128 greedy output tokens (ignore_eos).
-For each client count N the same max(N, 64) requests run twice: offline through `LLM.generate` in
-this process, then (after the offline engine is freed) through a `bridge serve` subprocess with the
-same engine settings, N clients each streaming one request at a time (httpx, SSE, usage included).
+Workload: W1's model (Qwen3-0.6B-shaped, random bf16, benchmarks/generate.py); `--requests` (256)
+completions of `--rows` (512) prompt-embeds rows each -> `--max-tokens` (128) greedy tokens (ignore_eos),
+streamed with usage. The same requests run offline and served, on the same engine settings, with
+max_num_seqs equal to the streams in flight.
 
-Reported per N: throughput (output tok/s, wall time from the first request sent to the last [DONE]),
-its fraction of offline throughput (target >= 0.9 at 64 clients), TTFT p50/p99 (send to first
-chunk), inter-token latency p50/p99 (per request: (last chunk - first chunk) / (tokens - 1); with
-decode windows a chunk carries many tokens), and where the rest goes: the server's prompt-embeds
-decode time (base64 + torch.load, from /metrics; summed over the server's ingest worker processes,
-which parse large bodies off the engine's process), the client's encode time and the payload bytes.
-The request bodies are serialised before timing (N real clients do that in N processes).
-`--ingest-workers K` sets the server's pool (0: every body parsed in the engine's process, the A/B).
+Clients, as users run them: `--client-procs` (8) processes share `--in-flight` (64) streams; each stream
+sends its next request as soon as its last one ended. Inside the timed region, per request: the tensor
+serialised as vLLM's docs show (`torch.save` to bytes, base64), then
+`AsyncOpenAI(...).completions.create(..., stream=True, extra_body={"prompt_embeds": ...})` and every chunk
+read (`--client openai`, the default), or the same body written by hand on asyncio streams and the SSE
+read by hand (`--client raw`: a client that leaves the host's cores to the server). The processes start
+together at a common clock time; wall time runs from then to the last stream's end.
 
-`--http-client httpx,raw` runs each level with both client stacks: httpx (the default, as in every earlier
-run) and raw asyncio streams (`_raw_client_loop`), which leave the shared host's cores to the server
-(about 1.6 ms of client CPU per streamed 1.4 MB request against httpx's 5 ms, on the CPU).
+Order of a run:
+1. offline: `LLM(...)`, one warm-up generate of all requests, `--runs` timed ones (median);
+2. `bridge serve` started cold: a fresh, empty Triton cache directory (TRITON_CACHE_DIR) for it;
+   `/health` polled from the start: the first 503 (an API process answers: the engine is starting)
+   and the first 200 (ready), and from the server's log (run at info level) the moment its engine was
+   ready; then one warm-up run and `--runs` timed runs (median);
+3. the same server started again, warm (its kernel cache now full): the same `/health` timeline.
 
-`--cpu`: a tiny model (hidden 64), 32 requests of 16-96 rows and 32 tokens, clients 4,16,32.
-Writes JSON to `--out`, else `$OUT/serve_benchmark.json` when `$OUT` is set.
+Reported: served and offline tok/s and their ratio (target >= 0.9), TTFT and inter-token latency
+p50/p99 (TTFT from the request's start, its serialisation included; ITL per request: (last chunk -
+first chunk) / (tokens - 1)), SSE chunks per request, the client's serialisation time, the server's CPU
+time per request (utime + stime of the server's process tree from /proc, before and after each run:
+API processes, engine process, the rest), the clients' CPU time per request, and the start timelines
+(target: `/health` 200 within 20 s cold). One JSON line (`RESULT {...}`) and a table; the JSON also goes
+to `--out`, else `$OUT/serve_benchmark.json` when `$OUT` is set.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
+import base64
+import http.client
+import io
 import json
 import os
 import pathlib
+import re
 import shlex
+import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
+from datetime import datetime
 
 import torch
 
@@ -50,12 +65,11 @@ for path in (REPO, REPO / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from generate import bench_setup, log, run_bridge, workload  # noqa: E402
+from generate import bench_setup, embed_rows, log, run_bridge, workload  # noqa: E402
 
-from bridge.wire import encode_prompt_embeds  # noqa: E402
-from runner.llm import LLM  # noqa: E402
-
-_SERVER_LOGS = itertools.count()
+TARGET_VS_OFFLINE = 0.9
+TARGET_COLD_HEALTH_S = 20.0
+MODEL_NAME = "bench"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -66,17 +80,7 @@ def percentile(values: list[float], q: float) -> float:
     return values[k]
 
 
-def engine_settings(args, max_len: int) -> dict:
-    return {"max_num_seqs": 64 if args.cpu else 256, "max_num_batched_tokens": 2048 if args.cpu else 16384,
-            "max_model_len": max_len + 16, "gpu_memory_utilization": 0.85}
-
-
-def offline_run(llm: LLM, embeds: list[torch.Tensor], output_lens: list[int], device) -> dict:
-    """Offline `LLM.generate` on the same prompt-embeds requests (generate.py's timed run)."""
-    return run_bridge(llm, [{"prompt_embeds": e} for e in embeds], output_lens, device)
-
-
-# ------------------------------------------------------------------------------------------ server
+# ------------------------------------------------------------------------------------------ the server
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -84,139 +88,235 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: pathlib.Path, args, server_args: str, settings: dict, dtype: str,
-                 log_path: pathlib.Path):
+def health_status(port: int, timeout: float) -> int | None:
+    """GET /health's status, or None when nothing answered (refused, reset, timed out)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def log_epoch(line: str) -> float | None:
+    """The wall-clock time of a server log line (logging's default asctime), or None."""
+    match = _LOG_TIME.match(line)
+    if match is None:
+        return None
+    return datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@dataclass
+class Server:
+    """One `bridge serve` subprocess: its start timeline, its processes, their CPU time."""
+
+    proc: subprocess.Popen
+    port: int
+    log_path: pathlib.Path
+    started: float  # time.time() just before Popen
+    timeline: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, limit_s: float = 900.0, poll_s: float = 0.05) -> dict:
+        """Poll /health until 200; the first 503 and the first 200 in seconds from the start. A request
+        sent before an API process runs waits in the listen backlog (the port is bound first) and is
+        answered when one does."""
+        first_503 = None
+        deadline = self.started + limit_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n"
+                                   f"{self.log_text()[-4000:]}")
+            status = health_status(self.port, timeout=5.0)
+            now = time.time() - self.started
+            if status == 503 and first_503 is None:
+                first_503 = now
+            if status == 200:
+                self.timeline = {"first_503_s": first_503, "health_200_s": now, **self._log_times()}
+                ready = self.timeline.get("engine_ready_s")
+                self.timeline["engine_ready_to_health_s"] = None if ready is None else now - ready
+                return self.timeline
+            time.sleep(poll_s)
+        self.stop()
+        raise RuntimeError(f"no /health 200 within {limit_s} s:\n{self.log_text()[-4000:]}")
+
+    def _log_times(self) -> dict:
+        """Seconds from the start to the engine's ready line and its serving warm-up, from the log."""
+        out = {}
+        for line in self.log_text().splitlines():
+            t = log_epoch(line)
+            if t is None:
+                continue
+            if "engine_ready_s" not in out and re.search(r"engine process \d+ ready", line):
+                out["engine_ready_s"] = t - self.started
+            elif "serving warm-up:" in line:
+                out["serving_warm_up_logged_s"] = t - self.started
+                match = re.search(r"serving warm-up: ([\d.]+) s", line)
+                out["serving_warm_up_s"] = float(match.group(1)) if match else None
+            elif "start-up:" in line and "engine_built_s" not in out:
+                out["engine_built_s"] = t - self.started
+        return out
+
+    def roles(self) -> dict[int, str]:
+        """pid -> "api" / "engine" / "other" for the server's process tree (roles from its log)."""
+        text = self.log_text()
+        engine = {int(p) for p in re.findall(r"engine process (\d+) ready", text)}
+        apis: set[int] = set()
+        for group in re.findall(r"API processes \(pids \[([\d, ]+)\]\)", text):
+            apis.update(int(p) for p in group.split(",") if p.strip())
+        if not apis:
+            apis = {self.proc.pid}  # one API process: the server's own
+        out = {}
+        for pid in process_tree(self.proc.pid):
+            out[pid] = "engine" if pid in engine else "api" if pid in apis else "other"
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """utime + stime of the server's live processes so far, summed by role."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        out = {"api": 0.0, "engine": 0.0, "other": 0.0}
+        for pid, role in self.roles().items():
+            try:
+                fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[role] += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15)
+        return out
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants (Linux /proc/<pid>/task/<tid>/children)."""
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        for task in pathlib.Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return pids
+
+
+def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, cache_dir: pathlib.Path,
+                 log_path: pathlib.Path) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "bridge", "serve", str(model_dir), "--port", str(port),
-           "--enable-prompt-embeds", "--dtype", dtype, "--log-level", "warning",
-           "--max-pending-requests", "100000",
-           "--max-prompts-per-request", "1", "--served-model-name", "bench"]
+           "--enable-prompt-embeds", "--dtype", dtype, "--log-level", "info",
+           "--max-pending-requests", "100000", "--max-prompts-per-request", "1",
+           "--served-model-name", MODEL_NAME]
     for key, value in settings.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
-    if args.cpu:
+    if args.smoke:
         cmd += ["--device", "cpu"]
-    if args.ingest_workers is not None:
-        cmd += ["--ingest-workers", str(args.ingest_workers), "--ingest-inline-bytes", "0"]
-    cmd += shlex.split(server_args)
+    cmd += shlex.split(args.server_args)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, "PYTHONPATH": path, "TRITON_CACHE_DIR": str(cache_dir)}
     if args.trace:
         env["BRIDGE_TICK_TRACE"] = str(pathlib.Path(args.trace).resolve())
-    if args.cpu:
+    if args.smoke:
         env["OMP_NUM_THREADS"] = "1"
-    out = open(log_path, "wb")
+    out = open(log_path, "wb")  # noqa: SIM115 - the child holds it; closed when this process exits
+    started = time.time()
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    return Server(proc, port, log_path, started)
 
 
-def server_metrics(url: str) -> dict[str, float]:
-    import httpx
+# ------------------------------------------------------------------------------------------ clients
 
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line and not line.startswith("#") and ("{" not in line or "request_bodies_parsed" in line):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+def serialise(tensor: torch.Tensor) -> str:
+    """A prompt-embeds payload as vLLM's docs make one: `torch.save` to bytes, then base64."""
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getvalue()).decode("utf-8")
 
 
-def request_bodies(payloads: list[str], output_lens: list[int]) -> list[bytes]:
-    """The JSON bodies, serialised before the clock starts: N real clients encode theirs in N processes,
-    while this benchmark's clients share one; timing its json.dumps would measure the benchmark."""
-    return [json.dumps({"model": "bench", "prompt": "", "prompt_embeds": payload, "max_tokens": out_len,
-                        "temperature": 0.0, "ignore_eos": True, "stream": True,
-                        "stream_options": {"include_usage": True}}).encode()
-            for payload, out_len in zip(payloads, output_lens)]
+class Tally:
+    """Per request of one client process: TTFT, ITL, chunks, tokens, serialisation time, end time."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+        self.chunks: list[int] = []
+        self.encode_s: list[float] = []
+        self.tokens = 0
+        self.ended = 0.0
+
+    def add(self, began: float, encoded: float, first: float | None, last: float | None, chunks: int,
+            tokens: int) -> None:
+        if first is None or last is None or tokens == 0:
+            raise RuntimeError("a stream ended without tokens")
+        self.ttft.append(first - began)
+        self.encode_s.append(encoded - began)
+        self.chunks.append(chunks)
+        self.tokens += tokens
+        if tokens > 1:
+            self.itl.append((last - first) / (tokens - 1))
+        self.ended = max(self.ended, last)
 
 
-class _Streams:
-    """What both client loops share: the queue of bodies, and per request its time to first token, its
-    inter-token latency and its (sent, first, last) times, read from the SSE events."""
+async def openai_streams(url: str, work: list[tuple[torch.Tensor, int]], streams: int, tally: Tally) -> None:
+    """`streams` concurrent streams of the official client, one `AsyncOpenAI` for this process."""
+    from openai import AsyncOpenAI
 
-    def __init__(self, bodies: list[bytes]) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        for item in enumerate(bodies):
-            self.queue.put_nowait(item)
-        self.ttft, self.itl, self.tokens, self.times = [], [], [0] * len(bodies), []
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600.0)
 
-    def event(self, i: int, line: str | bytes, first: float | None, last: float | None) -> tuple:
-        """One SSE line or event of request `i`; returns its (first, last) chunk times so far."""
-        data = line[6:] if line[:6] in ("data: ", b"data: ") else None
-        if data is None or data in ("[DONE]", b"[DONE]"):
-            return first, last
-        chunk = json.loads(data)
-        if chunk.get("usage"):
-            self.tokens[i] = chunk["usage"]["completion_tokens"]
-        if chunk.get("choices"):
-            last = time.monotonic()
-            first = first or last
-        return first, last
-
-    def done(self, i: int, sent: float, first: float, last: float) -> None:
-        self.ttft.append(first - sent)
-        self.times.append((sent, first, last))
-        if self.tokens[i] > 1:
-            self.itl.append((last - first) / (self.tokens[i] - 1))
-
-    async def run(self, workers: list, start_at: float) -> dict:
-        """The workers, started together at `start_at`, timed from their start to the last one's end."""
-        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-        began = time.monotonic()  # start_at, or later if this process got its share late
-        await asyncio.gather(*workers)
-        ended = time.monotonic()
-        return {"ttft": self.ttft, "itl": self.itl, "tokens": sum(self.tokens), "began": began,
-                "ended": ended, "times": self.times}
-
-
-async def _client_loop(url: str, bodies: list[bytes], clients: int, start_at: float) -> dict:
-    """`clients` streams in this process, each sending its next body as soon as its last one ended."""
-    import httpx
-
-    streams = _Streams(bodies)
-    headers = {"content-type": "application/json"}
-
-    async def worker(http: httpx.AsyncClient) -> None:
-        while not streams.queue.empty():
-            i, body = streams.queue.get_nowait()
-            sent = time.monotonic()
+    async def stream_loop() -> None:
+        while work:
+            tensor, max_tokens = work.pop()
+            began = time.monotonic()
+            payload = serialise(tensor)
+            encoded = time.monotonic()
+            stream = await client.completions.create(
+                model=MODEL_NAME, prompt="", max_tokens=max_tokens, temperature=0.0, stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"prompt_embeds": payload, "ignore_eos": True})
             first = last = None
-            async with http.stream("POST", "/v1/completions", content=body, headers=headers) as resp:
-                if resp.status_code != 200:  # a plain error: httpx's does not cross the process pool
-                    body = (await resp.aread()).decode(errors="replace")
-                    raise RuntimeError(f"HTTP {resp.status_code} from the server: {body[:1000]}")
-                async for line in resp.aiter_lines():
-                    first, last = streams.event(i, line, first, last)
-            streams.done(i, sent, first, last)
+            chunks = tokens = 0
+            async for chunk in stream:
+                if chunk.choices:
+                    last = time.monotonic()
+                    first = first or last
+                    chunks += 1
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            tally.add(began, encoded, first, last, chunks, tokens)
 
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        return await streams.run([worker(http) for _ in range(clients)], start_at)
+    try:
+        await asyncio.gather(*(stream_loop() for _ in range(streams)))
+    finally:
+        await client.close()
 
 
-async def _raw_client_loop(url: str, bodies: list[bytes], clients: int, start_at: float) -> dict:
-    """`_client_loop` on asyncio streams instead of httpx: HTTP/1.1 with keep-alive, the request written
-    as one head and the pre-serialised body, the chunked SSE response read chunk by chunk. Why: the
-    clients share the server's host, and httpx spent about 5 ms of CPU per 1.4 MB streamed request
-    against 1.6 ms this way (CPU server, 16 tokens each): on a 16-core host, 64 httpx clients burn as
-    much CPU as the 8 API processes they are measuring."""
+async def raw_streams(url: str, work: list[tuple[torch.Tensor, int]], streams: int, tally: Tally) -> None:
+    """The same requests on asyncio streams: HTTP/1.1 keep-alive, the head and the JSON body written
+    as they are, the chunked SSE response split by hand (each event's JSON still parsed)."""
     host, _, port = url.removeprefix("http://").partition(":")
-    streams = _Streams(bodies)
 
-    async def response(reader: asyncio.StreamReader, i: int) -> tuple[float | None, float | None]:
+    async def response(reader: asyncio.StreamReader) -> tuple[float | None, float | None, int, int]:
         head = await reader.readuntil(b"\r\n\r\n")
         status = head.split(b"\r\n", 1)[0]
         headers = {k.strip().lower(): v.strip() for k, _, v in
@@ -225,291 +325,317 @@ async def _raw_client_loop(url: str, bodies: list[bytes], clients: int, start_at
             length = int(headers.get(b"content-length", b"0"))
             text = (await reader.readexactly(length)).decode(errors="replace") if length else ""
             raise RuntimeError(f"{status.decode(errors='replace')} from the server: {text[:1000]}")
-        if headers.get(b"transfer-encoding", b"").lower() != b"chunked":
-            raise RuntimeError(f"expected a chunked event stream, got headers {headers}")
         first = last = None
+        chunks = tokens = 0
         pending = b""
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
             data = await reader.readexactly(size + 2)  # the chunk and its CRLF
             if size == 0:
-                return first, last
+                return first, last, chunks, tokens
             pending += data[:-2]
             *events, pending = pending.split(b"\n\n")
             for event in events:
-                first, last = streams.event(i, event, first, last)
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                    continue
+                body = json.loads(event[6:])
+                if body.get("choices"):
+                    last = time.monotonic()
+                    first = first or last
+                    chunks += 1
+                if body.get("usage"):
+                    tokens = body["usage"]["completion_tokens"]
 
-    async def worker() -> None:
+    async def stream_loop() -> None:
         reader = writer = None
         try:
-            while not streams.queue.empty():
-                i, body = streams.queue.get_nowait()
+            while work:
+                tensor, max_tokens = work.pop()
+                began = time.monotonic()
+                body = json.dumps({"model": MODEL_NAME, "prompt": "", "prompt_embeds": serialise(tensor),
+                                   "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                                   "stream": True, "stream_options": {"include_usage": True}}).encode()
+                encoded = time.monotonic()
                 if writer is None:
                     reader, writer = await asyncio.open_connection(host, int(port))
-                sent = time.monotonic()
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\n"
-                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                             % (host.encode(), len(body)))
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+                             b"\r\nContent-Length: %d\r\n\r\n" % (host.encode(), len(body)))
                 writer.write(body)
                 await writer.drain()
-                first, last = await response(reader, i)
-                streams.done(i, sent, first, last)
+                first, last, chunks, tokens = await response(reader)
+                tally.add(began, encoded, first, last, chunks, tokens)
         finally:
             if writer is not None:
                 writer.close()
 
-    return await streams.run([worker() for _ in range(clients)], start_at)
+    await asyncio.gather(*(stream_loop() for _ in range(streams)))
 
 
-HTTP_CLIENTS = {"httpx": _client_loop, "raw": _raw_client_loop}
+CLIENTS = {"openai": openai_streams, "raw": raw_streams}
 
-_START_BARRIER = None  # set in each client process by the pool's initializer
-
-
-def _keep_barrier(barrier) -> None:
-    global _START_BARRIER
-    _START_BARRIER = barrier
+_BARRIER = None  # each client process's copy of the pool's barrier (set by the initializer)
 
 
-def client_process(url: str, bodies: list[bytes], clients: int, start_at: float, kind: str = "httpx") -> dict:
-    """One client process's share of a run. With a pool, every share first waits at the pool's barrier:
-    a worker that took one share cannot take a second one while another worker idles. Without it, a
-    fresh pool's first run sometimes gave one worker two shares, and that worker's second share of
-    clients started when its first had finished (their sends spread over 0.5 s, the run measured at
-    0.52-0.57 of offline)."""
-    if _START_BARRIER is not None:
-        _START_BARRIER.wait(timeout=120)
-    if not bodies:
-        return {"ttft": [], "itl": [], "tokens": 0, "began": None, "ended": None, "times": []}
-    return asyncio.run(HTTP_CLIENTS[kind](url, bodies, clients, start_at))
+def _client_init(barrier) -> None:
+    """A client process: one torch thread, the client's imports done before any share is timed."""
+    global _BARRIER
+    _BARRIER = barrier
+    torch.set_num_threads(1)
+    import openai  # noqa: F401
 
 
-def run_clients(url: str, bodies: list[bytes], clients: int, pool=None, procs: int = 1,
-                kind: str = "httpx") -> dict:
-    """N = `clients` concurrent streams over `procs` client processes (N real clients do not share one
-    interpreter: one process sending 64 x 1.9 MB and parsing 64 SSE streams is itself a bottleneck).
-    The processes start together at a common clock time (or together when the last of them got its
-    share, if later); wall time runs from then to the last [DONE]."""
-    active = max(1, min(procs, clients))
-    shares = [bodies[k::active] for k in range(active)]
-    counts = [clients // active + (k < clients % active) for k in range(active)]
-    if pool is not None:  # one task per pool process (`procs`), for the barrier: the rest idle
-        shares += [[]] * (procs - active)
-        counts += [0] * (procs - active)
-    start_at = time.monotonic() + (0.5 + len(bodies) * 0.02 if pool is not None else 0.0)
-    if pool is None:
-        parts = [client_process(url, bodies, clients, start_at, kind)]
+def client_share(kind: str, url: str, requests_file: str, indices: list[int], max_tokens: list[int],
+                 streams: int, start_at: float) -> dict:
+    """One client process's share of a run: its tensors loaded, every process met at the barrier,
+    then its streams from `start_at` (time.monotonic, one clock for the host)."""
+    from safetensors import safe_open
+
+    with safe_open(requests_file, framework="pt") as f:
+        work = [(f.get_tensor(f"r{i}"), n) for i, n in zip(indices, max_tokens)][::-1]  # popped from the end
+    _BARRIER.wait(timeout=300)
+    tally = Tally()
+    if work:
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        cpu = time.process_time()
+        began = time.monotonic()
+        asyncio.run(CLIENTS[kind](url, work, streams, tally))
+        cpu = time.process_time() - cpu
     else:
-        # every share is submitted, empty ones too: the barrier waits for one share per process
-        futures = [pool.submit(client_process, url, share, count, start_at, kind)
-                   for share, count in zip(shares, counts)]
+        cpu, began = 0.0, None
+    return {"ttft": tally.ttft, "itl": tally.itl, "chunks": tally.chunks, "encode_s": tally.encode_s,
+            "tokens": tally.tokens, "began": began, "ended": tally.ended, "cpu_s": cpu}
+
+
+class Clients:
+    """`procs` spawned client processes, reused for every run."""
+
+    def __init__(self, procs: int) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")
+        self.procs = procs
+        self.pool = ProcessPoolExecutor(procs, mp_context=ctx, initializer=_client_init,
+                                        initargs=(ctx.Barrier(procs),))
+
+    def run(self, kind: str, url: str, requests_file: pathlib.Path, max_tokens: list[int],
+            in_flight: int) -> dict:
+        """Every request once, `in_flight` streams over the processes (each gets every procs-th request
+        and its share of the streams); throughput from the common start to the last stream's end."""
+        n, procs = len(max_tokens), self.procs
+        streams = [in_flight // procs + (k < in_flight % procs) for k in range(procs)]
+        indices = [list(range(k, n, procs)) for k in range(procs)]
+        start_at = time.monotonic() + 2.0  # every process has loaded its share and met the others by then
+        futures = [self.pool.submit(client_share, kind, url, str(requests_file), idx,
+                                    [max_tokens[i] for i in idx], s, start_at)
+                   for idx, s in zip(indices, streams)]
         parts = [f.result() for f in futures]
-    parts = [p for p in parts if p["began"] is not None]
-    # from the first send: start_at, unless the barrier released every process after it
-    start_at = min(p["began"] for p in parts)
-    dt = max(p["ended"] for p in parts) - start_at
-    ttft = [t for p in parts for t in p["ttft"]]
-    itl = [t for p in parts for t in p["itl"]]
-    n = sum(p["tokens"] for p in parts)
-    times = sorted(t for p in parts for t in p["times"])
-    return {"tok_s": n / dt, "seconds": dt, "output_tokens": n, "client_processes": active,
-            "start_at": start_at, "requests_sent_first_last": times,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
+        live = [p for p in parts if p["began"] is not None]
+        began = min(p["began"] for p in live)
+        seconds = max(p["ended"] for p in live) - began
+        tokens = sum(p["tokens"] for p in parts)
+
+        def pooled(key: str) -> list:
+            return [x for p in parts for x in p[key]]
+
+        ttft, itl, chunks, enc = pooled("ttft"), pooled("itl"), pooled("chunks"), pooled("encode_s")
+        return {"tok_s": tokens / seconds, "seconds": seconds, "output_tokens": tokens, "requests": len(ttft),
+                "start_late_s": began - start_at,
+                "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+                "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
+                "chunks_per_request": statistics.mean(chunks), "encode_ms_mean": statistics.mean(enc) * 1e3,
+                "client_cpu_ms_per_request": sum(p["cpu_s"] for p in parts) / len(ttft) * 1e3}
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
 
 
-def serve_variant(args, server_args: str, model_dir: pathlib.Path, settings: dict, dtype_name: str,
-                  clients: list[int], bodies: list[bytes], offline: dict, encode_s: float,
-                  n_max: int) -> dict:
-    """One `bridge serve` with `server_args` on top of the benchmark's flags: every client level, its
-    runs, the server's own phase metrics, and the Triton builds it logged."""
-    log_dir = pathlib.Path(os.environ.get("OUT") or tempfile.gettempdir())
-    log_path = log_dir / f"bridge_serve_bench_{next(_SERVER_LOGS)}.log"  # one per server: kept in $OUT
-    pool = None
-    results: dict = {"server_args": server_args, "levels": {}}
-    started = time.perf_counter()
-    proc, url = start_server(model_dir, args, server_args, settings, dtype_name, log_path)
-    results["server_start_seconds"] = time.perf_counter() - started
-    log(f"server ready in {results['server_start_seconds']:.1f} s ({server_args or 'default flags'})")
+# ------------------------------------------------------------------------------------------ phases
+
+def offline_phase(model_dir, device, dtype, settings, embeds, max_tokens, runs: int) -> dict:
+    """`LLM.generate` on the same requests: one warm-up, then `runs` timed generates (median)."""
+    from runner.llm import LLM
+
+    llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device, **settings)
+    prompts = [{"prompt_embeds": e} for e in embeds]
     try:
-        procs = args.client_procs or max(1, min(8, (os.cpu_count() or 2) // 2))
-        if procs > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            ctx = multiprocessing.get_context("spawn")
-            pool = ProcessPoolExecutor(procs, mp_context=ctx, initializer=_keep_barrier,
-                                       initargs=(ctx.Barrier(procs),))
-        run_clients(url, bodies[:procs * 2], procs * 2, pool, procs)  # warm-up (and the pool's start)
-        for c in clients:
-            n = max(c, 32 if args.cpu else 64)
-            kinds = args.http_client.split(",")
-            for kind in kinds:
-                key = str(c) if kind == kinds[0] else f"{c} {kind}"
-                # Like the offline side (best of 2 after a warm-up), the served level runs `--server-runs`
-                # times and the best counts; the first one's numbers are kept: a fresh server's first
-                # burst of a new size pays kernel compiles the offline engine paid in its own warm-up.
-                first = best = None
-                runs = []
-                for _ in range(args.server_runs):
-                    before = server_metrics(url)
-                    res = run_clients(url, bodies[:n], c, pool, procs, kind)
-                    after = server_metrics(url)
-                    if first is None:
-                        first = res
-                    if best is None or res["tok_s"] > best[1]["tok_s"]:
-                        best = (before, res, after)
-                    builds = after["bridge:kernel_compiles"] - before["bridge:kernel_compiles"]
-                    runs.append({"tok_s": res["tok_s"], "builds": builds, "start_at": res.pop("start_at"),
-                                 "requests_sent_first_last": res.pop("requests_sent_first_last")})
-                    log(f"    run: {res['tok_s']:.0f} tok/s, {builds:.0f} Triton builds in the server")
-                before, res, after = best
-                res["runs"] = runs
-                res["first_run_tok_s"] = first["tok_s"]
-                res["first_run_ttft_p50_s"] = first["ttft_p50_s"]
-                decode_s = (after["bridge:prompt_embeds_decode_seconds_sum"]
-                            - before["bridge:prompt_embeds_decode_seconds_sum"])
-                for phase, name in (("body_receive", "request_body_receive_seconds"),
-                                    ("parse", "request_parse_seconds"),
-                                    ("admission", "request_admission_seconds"),
-                                    ("server_ttft", "time_to_first_token_seconds"),
-                                    ("tick_admit", "engine_tick_admit_seconds"),
-                                    ("engine_step", "engine_step_seconds")):
-                    count = after[f"bridge:{name}_count"] - before[f"bridge:{name}_count"]
-                    total = after[f"bridge:{name}_sum"] - before[f"bridge:{name}_sum"]
-                    res[f"mean_{phase}_s"] = total / count if count else float("nan")
-                    res[f"sum_{phase}_s"], res[f"count_{phase}"] = total, count
-                res["kernel_compiles"] = after["bridge:kernel_compiles"] - before["bridge:kernel_compiles"]
-                res["kernel_compile_s"] = (after["bridge:kernel_compile_seconds"]
-                                           - before["bridge:kernel_compile_seconds"])
-                pooled = 'bridge:request_bodies_parsed_total{where="pool"}'
-                res["bodies_parsed_in_pool"] = after.get(pooled, 0) - before.get(pooled, 0)
-                res.update(requests=n, offline_tok_s=offline[n]["tok_s"],
-                           fraction_of_offline=res["tok_s"] / offline[n]["tok_s"],
-                           server_decode_seconds=decode_s,
-                           server_decode_share_of_wall=decode_s / res["seconds"],
-                           client_encode_seconds=encode_s * n / n_max)
-                res["http_client"] = kind
-                results["levels"][key] = res
-                log(f"  {c} clients ({kind}), first run {first['tok_s']:.0f} tok/s "
-                    f"(TTFT p50 {first['ttft_p50_s'] * 1e3:.0f} ms)")
-                log(f"  {c} clients ({kind}), {n} requests: {res['tok_s']:.0f} tok/s = "
-                    f"{res['fraction_of_offline']:.2f} of offline; TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms "
-                    f"p99 {res['ttft_p99_s'] * 1e3:.0f} ms; "
-                    f"ITL p50 {res['itl_p50_s'] * 1e3:.1f} ms p99 {res['itl_p99_s'] * 1e3:.1f} ms; "
-                    f"decode {decode_s:.3f} s; server means: body {res['mean_body_receive_s'] * 1e3:.0f} ms, "
-                    f"parse {res['mean_parse_s'] * 1e3:.0f} ms, "
-                    f"admission {res['mean_admission_s'] * 1e3:.0f} ms, "
-                    f"TTFT from parsed {res['mean_server_ttft_s'] * 1e3:.0f} ms; engine thread: "
-                    f"admitting {res['sum_tick_admit_s']:.2f} s in {res['count_tick_admit']} ticks, "
-                    f"stepping {res['sum_engine_step_s']:.2f} s in {res['count_engine_step']} steps; "
-                    f"{res['kernel_compiles']:.0f} Triton builds ({res['kernel_compile_s']:.2f} s)")
-    except BaseException:
-        log(f"the run failed; the server's log ends with:\n{log_path.read_text(errors='replace')[-4000:]}")
-        raise
+        run_bridge(llm, prompts, max_tokens, device)  # warm-up
+        timed = [run_bridge(llm, prompts, max_tokens, device)["tok_s"] for _ in range(runs)]
     finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    builds = [line for line in log_path.read_text(errors="replace").splitlines() if "built" in line]
-    results["server_kernel_build_log"] = builds[-40:]
-    for line in builds[-12:]:
-        log(f"  server: {line[-300:]}")
-    return results
+        llm.shutdown()
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for tok_s in timed:
+        log(f"  offline: {tok_s:.0f} tok/s")
+    return {"tok_s": statistics.median(timed), "runs_tok_s": timed}
+
+
+def served_runs(server: Server, clients: Clients, args, requests_file, max_tokens) -> dict:
+    """One warm-up run, then `args.runs` timed runs (the median by throughput is reported, each kept),
+    with the server's CPU time per request over each run."""
+    clients.run(args.client, server.url, requests_file, max_tokens, args.in_flight)  # warm-up
+    runs = []
+    for _ in range(args.runs):
+        before = server.cpu_seconds()
+        res = clients.run(args.client, server.url, requests_file, max_tokens, args.in_flight)
+        after = server.cpu_seconds()
+        for role in before:
+            res[f"server_cpu_ms_per_request_{role}"] = (after[role] - before[role]) / res["requests"] * 1e3
+        res["server_cpu_ms_per_request"] = sum(after.values()) - sum(before.values())
+        res["server_cpu_ms_per_request"] *= 1e3 / res["requests"]
+        runs.append(res)
+        log(f"  served ({args.client}): {res['tok_s']:.0f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms, "
+            f"{res['chunks_per_request']:.1f} chunks/request, server CPU "
+            f"{res['server_cpu_ms_per_request']:.1f} ms/request")
+    ranked = sorted(runs, key=lambda r: r["tok_s"])
+    return {**ranked[len(ranked) // 2], "runs_tok_s": [r["tok_s"] for r in runs], "runs": runs}
+
+
+def started(model_dir, args, settings, dtype_name, cache_dir, log_dir, which: str) -> Server:
+    log(f"starting bridge serve ({which})")
+    server = start_server(model_dir, args, settings, dtype_name, cache_dir, log_dir / f"serve_{which}.log")
+    try:
+        timeline = server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    log(f"  /health 200 after {timeline['health_200_s']:.1f} s (first 503 at "
+        f"{_fmt(timeline['first_503_s'])} s, engine ready at {_fmt(timeline.get('engine_ready_s'))} s)")
+    return server
+
+
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(results: dict) -> str:
+    s, o, cold, warm = results["served"], results["offline"], results["start_cold"], results["start_warm"]
+    def each(runs: list[float]) -> str:
+        return "runs " + ", ".join(f"{x:.0f}" for x in runs)
+
+    rows = [
+        ("served tok/s (median)", f"{s['tok_s']:.0f}", each(s["runs_tok_s"])),
+        ("offline tok/s (median)", f"{o['tok_s']:.0f}", each(o["runs_tok_s"])),
+        ("served / offline", f"{results['ratio']:.3f}", f"target >= {TARGET_VS_OFFLINE}"),
+        ("TTFT p50 / p99 ms", f"{s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f}", "serialisation included"),
+        ("ITL p50 / p99 ms", f"{s['itl_p50_ms']:.2f} / {s['itl_p99_ms']:.2f}", ""),
+        ("SSE chunks per request", f"{s['chunks_per_request']:.1f}", f"{results['max_tokens']} tokens each"),
+        ("client serialisation ms", f"{s['encode_ms_mean']:.2f}", "mean per request"),
+        ("server CPU ms / request", f"{s['server_cpu_ms_per_request']:.1f}",
+         f"API {s['server_cpu_ms_per_request_api']:.1f}, engine {s['server_cpu_ms_per_request_engine']:.1f}, "
+         f"other {s['server_cpu_ms_per_request_other']:.1f}"),
+        ("client CPU ms / request", f"{s['client_cpu_ms_per_request']:.1f}", f"--client {results['client']}"),
+    ]
+    for name, t in (("cold", cold), ("warm", warm)):
+        if t:
+            rows.append((f"/health 200 s, {name}", f"{t['health_200_s']:.1f}",
+                         f"first 503 {_fmt(t['first_503_s'])} s, "
+                         f"engine ready {_fmt(t.get('engine_ready_s'))} s, "
+                         f"ready -> 200 {_fmt(t.get('engine_ready_to_health_s'), 2)} s"))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{width}}  {b:>14}  {c}" for a, b, c in rows)
 
 
 # ------------------------------------------------------------------------------------------ main
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="tiny model on the CPU")
-    ap.add_argument("--clients", default=None,
-                    help="comma-separated client counts (GPU 16,64,256; CPU 4,16,32)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", "--cpu", dest="smoke", action="store_true",
+                    help="CPU, tiny model, small workload (a check of the script, under a minute)")
+    ap.add_argument("--client", choices=sorted(CLIENTS), default="openai")
+    ap.add_argument("--client-procs", type=int, default=None, help="client processes (default 8; smoke 2)")
+    ap.add_argument("--in-flight", type=int, default=None,
+                    help="streams in flight in all (default 64; smoke 8)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per run (default 256; smoke 32)")
+    ap.add_argument("--rows", type=int, default=None, help="prompt-embeds rows per request (default 512)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 128)")
+    ap.add_argument("--runs", type=int, default=None, help="timed runs per side (median; default 3, smoke 1)")
+    ap.add_argument("--server-args", default=None,
+                    help="more `bridge serve` flags, e.g. --server-args='--api-server-count 4' (smoke "
+                         "default: '--engine-process --api-server-count 2', the GPU layout)")
+    ap.add_argument("--no-warm-start", action="store_true", help="skip the second (warm) start")
+    ap.add_argument("--trace", default=None, help="the server appends one JSON line per engine tick here")
     ap.add_argument("--model-dir", default=None)
-    ap.add_argument("--ingest-workers", type=int, default=None,
-                    help="the server's --ingest-workers (default: its own; 0 parses every body in-process)")
-    ap.add_argument("--server-args", action="append", default=None,
-                    help="more `bridge serve` flags, e.g. --server-args='--api-server-count 4'; given "
-                         "several times, each is a server of its own, run one after the other against "
-                         "the same offline runs (an A/B in one process)")
-    ap.add_argument("--trace", default=None,
-                    help="append the server's engine ticks here (JSON lines, monotonic clock); each "
-                         "run's client-side request times go in --out")
-    ap.add_argument("--server-runs", type=int, default=2,
-                    help="runs per client level, the best counts (offline: best of 2 after a warm-up)")
-    ap.add_argument("--http-client", default="httpx",
-                    help="the clients' HTTP stack: httpx (as before), raw (asyncio streams: a client that "
-                         "leaves the shared host's cores to the server), or both: httpx,raw (each level "
-                         "runs with each; the second's results are keyed '<clients> raw')")
-    ap.add_argument("--client-procs", type=int, default=None,
-                    help="client processes the N streams are spread over (default min(8, CPUs/2))")
-    args = ap.parse_args()
-    if not args.http_client or any(k not in HTTP_CLIENTS for k in args.http_client.split(",")):
-        ap.error(f"--http-client takes a comma list of {sorted(HTTP_CLIENTS)}")
-    device, model_dir, dtype = bench_setup(args)
-    clients = [int(c) for c in (args.clients or ("4,16,32" if args.cpu else "16,64,256")).split(",")]
-    dtype_name = "float32" if args.cpu else "bfloat16"
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        log("no CUDA device: running the --smoke benchmark")
+        args.smoke = True
+    small = args.smoke
+    defaults = {"client_procs": 2 if small else 8, "in_flight": 8 if small else 64,
+                "requests": 32 if small else 256, "rows": 64 if small else 512,
+                "max_tokens": 16 if small else 128, "runs": 1 if small else 3,
+                "server_args": "--engine-process --api-server-count 2" if small else ""}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.requests < args.in_flight or args.client_procs < 1 or args.runs < 1:
+        ap.error("need --requests >= --in-flight, --client-procs >= 1 and --runs >= 1")
+    return args
 
-    from safetensors import safe_open
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.cpu = args.smoke  # bench_setup's name for it
+    device, model_dir, dtype = bench_setup(args)
+    dtype_name = "float32" if args.smoke else "bfloat16"
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    embed_key, table = None, None
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                if k.endswith("embed_tokens.weight"):
-                    embed_key, table = k, h.get_tensor(k)
-    assert embed_key is not None, "no embedding table"
+    lo = max(8, args.rows // 4) if args.smoke else args.rows
+    ids, prompt_lens, max_tokens = workload(args.requests, lo, args.rows, args.max_tokens, args.max_tokens,
+                                            vocab, seed=1)
+    embeds = [e.contiguous() for e in embed_rows(model_dir, ids, dtype)]
+    settings = {"max_num_seqs": args.in_flight, "max_num_batched_tokens": 2048 if args.smoke else 16384,
+                "max_model_len": max(p + o for p, o in zip(prompt_lens, max_tokens)) + 16,
+                "gpu_memory_utilization": 0.85}
+    work_dir = pathlib.Path(tempfile.mkdtemp(prefix="bridge_serve_bench_"))
+    log_dir = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else work_dir
+    cache_dir = work_dir / "triton_cache"  # the servers' own: empty for the cold start
+    requests_file = work_dir / "requests.safetensors"
+    from safetensors.torch import save_file
 
-    n_max = max(max(clients), 32 if args.cpu else 64)
-    ids, prompt_lens, output_lens = (workload(n_max, 16, 96, 32, 32, vocab, seed=1) if args.cpu
-                                     else workload(n_max, 512, 512, 128, 128, vocab, seed=1))
-    embeds = [table[torch.tensor(i)].to(dtype) for i in ids]
-    t0 = time.perf_counter()
-    payloads = [encode_prompt_embeds(e) for e in embeds]
-    encode_s = time.perf_counter() - t0
-    bodies = request_bodies(payloads, output_lens)
-    settings = engine_settings(args, max(p + o for p, o in zip(prompt_lens, output_lens)))
+    save_file({f"r{i}": e for i, e in enumerate(embeds)}, str(requests_file))
     results: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     "model": "qwen3 tiny" if args.cpu else "Qwen3-0.6B-shaped (random bf16)",
-                     "engine": settings, "client_encode_seconds_all": encode_s,
-                     "payload_bytes_each": len(payloads[0])}
-
-    log("offline LLM.generate on the same requests")
-    llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device, **settings)
-    sizes = sorted({max(c, 32 if args.cpu else 64) for c in clients})
-    offline_run(llm, embeds[: min(8, n_max)], output_lens[: min(8, n_max)], device)  # warm-up
-    offline = {}
-    for n in sizes:
-        runs = [offline_run(llm, embeds[:n], output_lens[:n], device) for _ in range(2)]
-        offline[n] = max(runs, key=lambda r: r["tok_s"])
-        log(f"  {n} requests: {offline[n]['tok_s']:.0f} tok/s offline")
-    llm.shutdown()
-    del llm
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    # a SIGTERM (a `timeout` around this script) still runs the `finally`s: no server left running
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    variants = args.server_args or [""]
-    results["variants"] = {}
-    for server_args in variants:
-        results["variants"][server_args] = serve_variant(args, server_args, model_dir, settings, dtype_name,
-                                                         clients, bodies, offline, encode_s, n_max)
-    results["levels"] = results["variants"][variants[0]]["levels"]  # serve_trace.py reads the first
+                     "model": "qwen3 tiny" if args.smoke else "Qwen3-0.6B-shaped (random bf16)",
+                     "client": args.client, "client_procs": args.client_procs, "in_flight": args.in_flight,
+                     "requests": args.requests, "rows": args.rows, "max_tokens": args.max_tokens,
+                     "engine": settings, "server_args": args.server_args,
+                     "payload_bytes": len(serialise(embeds[0])), "start_warm": None}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` around this: the finallys run
+    clients = None
+    try:
+        log(f"offline LLM.generate: {args.requests} requests, max_num_seqs {args.in_flight}")
+        results["offline"] = offline_phase(model_dir, device, dtype, settings, embeds, max_tokens, args.runs)
+        clients = Clients(args.client_procs)
+        server = started(model_dir, args, settings, dtype_name, cache_dir, log_dir, "cold")
+        try:
+            results["start_cold"] = server.timeline
+            results["served"] = served_runs(server, clients, args, requests_file, max_tokens)
+        except BaseException:
+            log(f"the run failed; the server's log ends with:\n{server.log_text()[-4000:]}")
+            raise
+        finally:
+            code = server.stop()
+        results["server_exit_code"] = code
+        if not args.no_warm_start:
+            server = started(model_dir, args, settings, dtype_name, cache_dir, log_dir, "warm")
+            results["start_warm"] = server.timeline
+            server.stop()
+    finally:
+        if clients is not None:
+            clients.close()
+        shutil.rmtree(work_dir if log_dir != work_dir else cache_dir, ignore_errors=True)
+        requests_file.unlink(missing_ok=True)
+    results["ratio"] = results["served"]["tok_s"] / results["offline"]["tok_s"]
+    print("RESULT " + json.dumps(results), flush=True)
+    print(table(results), flush=True)
     out = args.out
     if out is None and os.environ.get("OUT"):
         out = os.path.join(os.environ["OUT"], "serve_benchmark.json")
-    text = json.dumps(results, indent=2)
-    print(text)
     if out:
-        pathlib.Path(out).write_text(text)
+        pathlib.Path(out).write_text(json.dumps(results, indent=2))
     return 0
 
 

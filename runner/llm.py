@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from runner.config import EngineConfig, check_option_names
 from runner.engine.core import EngineCore
 from runner.engine.embeds_staging import DeferredEmbeds
 from runner.engine.prompts import PromptProcessor, PromptType
 from runner.engine.shut_down import ShutDown
-from runner.hf_config import text_config
+from runner.hf_config import load_tokenizer, text_config
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
 from runner.multimodal.state import MultimodalState
@@ -45,15 +45,6 @@ from runner.worker.model_files import check_model_files
 from runner.worker.model_states import load_hf_config, resolve_model_state_cls
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(model_dir: str):
-    """The model directory's Hugging Face tokenizer, or None (a warning) when it has none."""
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:
-        logger.warning("no tokenizer in %s (%s): text prompts and stop strings unavailable", model_dir, exc)
-        return None
 
 
 def _eos_token_ids(model_dir: str, hf_config: Any, tokenizer) -> list[int]:

@@ -25,6 +25,7 @@ parent makes and removes) lets `/metrics` on any of them report the sum (see `me
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -33,72 +34,150 @@ import signal
 import tempfile
 import threading
 import time
-from concurrent.futures import wait
+from pathlib import Path
 from typing import Any
 
-from bridge.serve.app import build_app
-from bridge.serve.engine_build import engine_device_type
 from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess
-from bridge.serve.ingest import close_pool, spawn_ingest_pool, warm_up
 from bridge.serve.listen_sockets import listening_sockets
-from bridge.serve.state_builder import ingest_workers, server_state
-from bridge.serve.uvicorn_server import graceful_server, uvicorn_config
 
 logger = logging.getLogger("bridge.serve")
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-POLL_S = 0.1  # how often an API process waiting to start looks at its stop flag
 
 
 def api_server_main(index: int, args: argparse.Namespace, link: EngineLink, sock: Any, ready: Any) -> None:
     """One API process: the same app as a single server, over its link to the engine process.
 
-    Started while the engine builds: it starts its ingest pool meanwhile (each worker imports torch)
-    and waits on `ready` (a pipe from the parent) for the engine's `EngineInfo`, or None (the engine
-    failed, or the server is stopping): then it ends quietly. A SIGTERM or SIGINT before uvicorn takes
-    the signals over only sets a flag (raising out of a handler in the middle of the pool's own locks
-    can hang it), which every wait below checks, and which stops the server if it already exists."""
+    Started while the engine builds, it serves at once (`starting.py`: `/health` 503 until the engine is
+    ready) and meanwhile imports the routes' modules, loads the tokenizer and starts its ingest pool
+    (each worker imports torch); then it waits on `ready` (a pipe from the parent) for the engine's
+    `EngineInfo`, builds the routes' state and serves them. None on `ready` (the engine failed, or the
+    server is stopping) ends it quietly. A SIGTERM or SIGINT before uvicorn takes the signals over
+    only sets a flag (raising out of a handler in the middle of an import can hang it), which is
+    looked at before uvicorn starts."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
     stopping = threading.Event()
-    server = None
 
     def stop_early(_signum, _frame) -> None:
         stopping.set()
-        if server is not None:  # built, but uvicorn's own handlers are not in place yet
-            server.should_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop_early)
-    guessed = ingest_workers(args, engine_device_type(args))
-    pool = spawn_ingest_pool(guessed) if guessed > 0 else None
-    warming = warm_up(pool, guessed) if pool is not None else []
-    info = None
-    try:
-        while not stopping.is_set() and not ready.poll(POLL_S):
-            pass
-        if not stopping.is_set():
-            try:
-                info = ready.recv()
-            except EOFError:
-                pass
-        ready.close()
-        while info is not None and warming and not stopping.is_set():
-            warming = list(wait(warming, timeout=POLL_S).not_done)
-        if info is None or stopping.is_set():
-            return
-        if pool is not None and ingest_workers(args, info.device_type) != guessed:
-            close_pool(pool)
-            pool = None
-        state = server_state(args, engine_link=link, info=info, ingest_pool=pool)
-        pool = None  # the app's body parser owns it now, and closes it at shutdown
-    finally:
-        if pool is not None:
-            close_pool(pool)
-    server = graceful_server(uvicorn_config(build_app(state), args), drain=state.drain)
+    from bridge.serve.starting import StartingApp
+    from bridge.serve.uvicorn_server import graceful_server, uvicorn_config
+
+    bring_up = _BringUp(args, link, ready)
+    starting = StartingApp(bring_up.run, _build_app, on_stop_early=bring_up.close)
+    server = graceful_server(uvicorn_config(starting, args), drain=starting.drain)
+    starting.server = server
     if stopping.is_set():
-        server.should_exit = True  # a signal came while the app was being built: start, then stop
-    server.run(sockets=[sock])
+        bring_up.close()
+        return
+    try:
+        server.run(sockets=[sock])
+    finally:
+        bring_up.close()
+    if starting.failure is not None:
+        logger.error("could not start serving: %s: %s", type(starting.failure).__name__, starting.failure)
+        raise SystemExit(1)
+
+
+def _build_app(state: Any) -> Any:
+    from bridge.serve.app import build_app
+
+    return build_app(state)
+
+
+class _BringUp:
+    """An API process's way to its routes' state: what does not need the engine is done while it
+    builds (imports, the tokenizer of a plain model directory, the ingest pool's start), the rest
+    once the parent hands over the engine's description."""
+
+    def __init__(self, args: argparse.Namespace, link: EngineLink, ready: Any) -> None:
+        self.args, self.link, self.ready = args, link, ready
+        self.pool: Any = None  # the ingest pool until the state owns it
+        self._lock = threading.Lock()  # `close` may come while `_prepare` starts the pool in its thread
+        self._closed = False
+
+    async def run(self) -> Any:
+        args = self.args
+        preparing = asyncio.create_task(asyncio.to_thread(self._prepare))
+        try:
+            info = await _receive_info(self.ready)
+            guessed, warming, tokenizer = await preparing
+        finally:
+            if not preparing.done():
+                preparing.cancel()
+        if info is None:
+            return None
+        from bridge.serve.state_builder import ingest_workers, server_state
+
+        if warming:
+            await asyncio.gather(*map(asyncio.wrap_future, warming))
+        if self.pool is not None and ingest_workers(args, info.device_type) != guessed:
+            self._close_pool()
+        if tokenizer is _NOT_LOADED or Path(info.llm_dir) != Path(args.path):
+            tokenizer = _NOT_LOADED
+        state = await asyncio.to_thread(server_state, args, engine_link=self.link, info=info,
+                                        ingest_pool=self.pool, **_given(tokenizer))
+        self.pool = None  # the app's body parser owns it now, and closes it at shutdown
+        return state
+
+    def _prepare(self) -> tuple[int, list, Any]:
+        """In a thread, while the engine builds: the modules the routes need, the ingest pool's start,
+        and the tokenizer when PATH is a plain model directory (the engine's own then)."""
+        import bridge.serve.app  # noqa: F401 - imported now, not once the engine is ready
+        from bridge.serve.engine_build import engine_device_type
+        from bridge.serve.ingest import spawn_ingest_pool, warm_up
+        from bridge.serve.state_builder import ingest_workers
+        from runner.hf_config import load_tokenizer
+
+        guessed = ingest_workers(self.args, engine_device_type(self.args))
+        warming = []
+        with self._lock:
+            if guessed > 0 and not self._closed:
+                self.pool = spawn_ingest_pool(guessed)
+                warming = warm_up(self.pool, guessed)
+        path = Path(self.args.path)
+        tokenizer = _NOT_LOADED
+        if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+            tokenizer = load_tokenizer(str(path))
+        logger.info("prepared while the engine starts: the routes' modules%s%s",
+                    "" if tokenizer is _NOT_LOADED else ", the tokenizer",
+                    f", {guessed} ingest workers starting" if warming else "")
+        return guessed, warming, tokenizer
+
+    def _close_pool(self) -> None:
+        with self._lock:
+            pool, self.pool = self.pool, None
+        if pool is not None:
+            from bridge.serve.ingest import close_pool
+
+            close_pool(pool)
+
+    def close(self) -> None:
+        """Close the pool if the state never took it (a stop during start-up, or a failed start); one
+        that `_prepare` would start after this is not started."""
+        with self._lock:
+            self._closed = True
+        self._close_pool()
+
+
+_NOT_LOADED = object()
+
+
+def _given(tokenizer: Any) -> dict:
+    return {} if tokenizer is _NOT_LOADED else {"tokenizer": tokenizer}
+
+
+async def _receive_info(ready: Any) -> EngineInfo | None:
+    from bridge.serve.starting import receive_when_ready
+
+    try:
+        return await receive_when_ready(ready)
+    finally:
+        ready.close()
 
 
 def _stopped_by(exitcode: int | None, stopping: bool) -> bool:

@@ -13,7 +13,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -46,8 +46,10 @@ from bridge.serve.protocol import (
 )
 from bridge.serve.request_fields import check_request_fields
 from bridge.serve.response_extras import ResponseOptions
-from runner.llm import LLM
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY
+
+if TYPE_CHECKING:
+    from runner.llm import LLM
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}

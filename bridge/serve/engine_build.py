@@ -10,11 +10,12 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.serve.engine_flags import engine_options
-from runner.llm import LLM
-from runner.warmup import warm_up_serving
+
+if TYPE_CHECKING:
+    from runner.llm import LLM
 
 logger = logging.getLogger("bridge.serve")
 
@@ -61,6 +62,8 @@ def resolve_model(path: str | Path, verify: bool = True) -> LoadedModel:
 
 def build_llm(model: LoadedModel, args: argparse.Namespace) -> LLM:
     """The engine, with the checkpoint's encoders (moved to the engine's device) registered."""
+    from runner.llm import LLM  # here: the processes that only read the flags need not load the engine
+
     dtype = args.dtype if args.dtype != "auto" else model.dtype
     llm = LLM(str(model.llm_dir), **engine_options(args, dtype=dtype))
     for encoder in model.encoders.values():
@@ -86,6 +89,8 @@ def set_torch_threads(args: argparse.Namespace, device_type: str) -> None:
 
 def build_ready_llm(model: LoadedModel, args: argparse.Namespace) -> LLM:
     """The engine as a server runs it: built, torch threads set, and on CUDA warmed for serving."""
+    from runner.warmup import warm_up_serving
+
     llm = build_llm(model, args)
     set_torch_threads(args, llm.device.type)
     if llm.device.type == "cuda":  # the kernels a server's bursts meet, built before the first one

@@ -22,14 +22,16 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.serve.arrivals import Arrivals, arrived_at, submitted
 from bridge.serve.metrics import EngineSnapshot, ServeMetrics
 from runner.envs import TICK_TRACE
-from runner.llm import LLM
 from runner.outputs import RequestDelta
 from runner.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runner.llm import LLM
 
 logger = logging.getLogger(__name__)
 

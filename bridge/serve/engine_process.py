@@ -41,10 +41,8 @@ from typing import Any
 import torch
 
 from bridge.serve.arrivals import Arrivals
-from bridge.serve.engine_build import audio_sample_rates, build_ready_llm, resolve_model
 from bridge.serve.engine_loop import EngineFront, EngineTicker, Submission, TickOutcome
 from bridge.serve.metrics import EngineSnapshot, ServeMetrics
-from runner.multimodal.placeholders import placeholder_token
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +155,12 @@ def _receive_forever(owner: int, conn, inbox: queue.SimpleQueue) -> None:
 class _Owners:
     """Which API process each live request belongs to, and each tick's outcome split between them.
 
-    Every API process gets every tick's outcome (at least the snapshot, which its gauges show); the
-    engine's own timings go to API process 0 only, so a histogram summed over processes counts each
-    step once.
+    API process 0 gets every tick's outcome: the engine's timings (so a histogram summed over processes
+    counts each step once) and the snapshot, which the gauges show (their multiprocess mode keeps the
+    most recent value of any process). Every other API process gets a tick's part only when it holds
+    something of its own (admissions, deltas, aborts, a failed step): a part sent to each of N
+    processes every tick cost the engine N pickles and writes per tick, and woke every API process's
+    event loop, on the engine's one thread between its steps.
     """
 
     def __init__(self, count: int) -> None:
@@ -192,6 +193,11 @@ class _Owners:
             self.of.clear()  # the failed step's requests were all aborted
         return parts
 
+    @staticmethod
+    def wanted(owner: int, part: TickOutcome) -> bool:
+        """Whether API process `owner` gets this part of a tick (see the class docstring)."""
+        return owner == 0 or bool(part.added or part.deltas or part.aborted_ids or part.step_error)
+
 
 def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, status: Any) -> None:
     """The engine process: build the LLM as `bridge serve` does, say "ready" (or "failed") on `status`
@@ -202,6 +208,11 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     outcomes = [out for _, out in connections]
+    # here, not at the module's top: the process that starts this one (`bridge serve`) imports the module
+    # too, and launches the engine before it imports what the routes need
+    from bridge.serve.engine_build import audio_sample_rates, build_ready_llm, resolve_model
+    from runner.multimodal.placeholders import placeholder_token
+
     try:
         model = resolve_model(args.path, verify=not args.no_verify)
         llm = build_ready_llm(model, args)
@@ -264,7 +275,7 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
             parts = owners.split(outcome, aborts)
             subs, aborts = [], {}
             for owner, part in enumerate(parts):
-                if owner not in done:
+                if owner not in done and owners.wanted(owner, part):
                     try:
                         _send(outcomes[owner], ("tick", part))
                     except (BrokenPipeError, OSError):
@@ -322,9 +333,14 @@ class EngineProcess:
         """Wait until the launched engine is built. Raises what building it raised: a ValueError (a bad
         path or option, which `bridge serve` prints as one line) as a ValueError, anything else as a
         RuntimeError with its type and message."""
+        from multiprocessing.connection import wait
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._status.poll(0.5):
+            # the status pipe or the process's end, whichever comes first: no polling interval between
+            # the engine being ready and the API processes hearing of it
+            woke = wait([self._status, self.process.sentinel], timeout=max(0.0, deadline - time.monotonic()))
+            if self._status in woke:
                 try:
                     kind, payload = _recv(self._status)
                 except EOFError:

@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
+from bridge.serve.coalesce import coalesce, take_queued
 from bridge.serve.engine_loop import EngineFailed, EngineFront, QueueFull, ShuttingDown
 from bridge.serve.errors import ApiError, bounded
 from bridge.serve.metrics import ServeMetrics
@@ -135,20 +136,24 @@ class Generation:
     def done(self) -> bool:
         return self.num_finished == len(self.ids)
 
-    async def deltas(self) -> AsyncIterator[tuple[Choice, RequestDelta, str]]:
-        """Each delta as it arrives with its new text, its choice updated; ends when all finished."""
+    async def deltas(self) -> AsyncIterator[list[tuple[Choice, str, RequestDelta]]]:
+        """The deltas as they arrive, in batches: whatever waits in the queue when it is read, merged
+        into one delta per choice (`coalesce.py`), each with its new text, its choice updated; ends
+        when all finished."""
         assert self.queue is not None
         while not self.done:
-            item = await self.queue.get()
-            if isinstance(item, EngineFailed):
+            merged, other = coalesce(take_queued(self.queue, await self.queue.get()))
+            if merged:
+                yield [(*self._apply(delta), delta) for delta in merged]
+            if isinstance(other, EngineFailed):
                 raise ApiError(500, "the engine failed while running this request")
-            if isinstance(item, ShuttingDown):
+            if isinstance(other, ShuttingDown):
                 raise ApiError(503, "the server shut down before this request finished",
                                headers={"Retry-After": RETRY_AFTER_S})
-            choice, text = self._apply(item)
-            yield choice, item, text
 
     def _apply(self, delta: RequestDelta) -> tuple[Choice, str]:
+        """Add one delta to its choice: tokens, text (detokenized here unless the engine did), logprobs,
+        the end; the latency histograms. Returns the choice and the delta's new text."""
         choice = self.choices[self.index[delta.request_id]]
         now = time.perf_counter()
         if delta.new_token_ids:
@@ -277,13 +282,13 @@ class Generation:
                                   usage=self.usage())
 
     async def completion_stream(self, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: one write per batch of deltas (`deltas`), one event per choice in it;
+        the usage event and `[DONE]` go with the last batch. A choice's first event carries the echoed
+        prompt (and its logprobs and ids when asked for)."""
         offsets = [0] * len(self.choices)
         started = [False] * len(self.choices)
-        async for item in self._guarded_stream():
-            if isinstance(item, str):
-                yield item
-                continue
-            choice, delta, text = item
+
+        def chunk(choice: Choice, delta: RequestDelta, text: str) -> str:
             first = not started[choice.index]
             started[choice.index] = True
             text = (self._echo(choice) if first else "") + ("" if self.options.prompt_only else text)
@@ -291,23 +296,26 @@ class Generation:
             lp = self.completion_logprobs(choice, start, offsets[choice.index],
                                           with_prompt=first and self.options.echo_logprobs)
             offsets[choice.index] += len(text)
-            chunk = {"id": self.base_id, "object": "text_completion", "created": self.created,
-                     "model": self.model,
-                     "choices": [{"index": choice.index, "text": text,
-                                  "logprobs": None if lp is None else lp.model_dump(),
-                                  "finish_reason": delta.finish_reason if delta.finished else None,
-                                  "stop_reason": _stop_reason(delta) if delta.finished else None}]}
+            body = {"id": self.base_id, "object": "text_completion", "created": self.created,
+                    "model": self.model,
+                    "choices": [{"index": choice.index, "text": text,
+                                 "logprobs": None if lp is None else lp.model_dump(),
+                                 "finish_reason": delta.finish_reason if delta.finished else None,
+                                 "stop_reason": _stop_reason(delta) if delta.finished else None}]}
             if self.options.return_token_ids:
-                chunk["choices"][0]["token_ids"] = list(delta.new_token_ids)
+                body["choices"][0]["token_ids"] = list(delta.new_token_ids)
                 if first:
-                    chunk["choices"][0]["prompt_token_ids"] = self.prompt_token_ids(choice)
+                    body["choices"][0]["prompt_token_ids"] = self.prompt_token_ids(choice)
             if include_usage:
-                chunk["usage"] = None
-            yield _sse(chunk)
-        if include_usage and self.done:
-            yield _sse({"id": self.base_id, "object": "text_completion", "created": self.created,
-                        "model": self.model, "choices": [], "usage": self.usage().model_dump()})
-        yield "data: [DONE]\n\n"
+                body["usage"] = None
+            return _sse(body)
+
+        def usage() -> str:
+            return _sse({"id": self.base_id, "object": "text_completion", "created": self.created,
+                         "model": self.model, "choices": [], "usage": self.usage().model_dump()})
+
+        async for events in self._events(chunk, usage if include_usage else None):
+            yield events
 
     # ----------------------------------------------------------------------------- chat
     def chat_logprobs(self, choice: Choice, start: int, top: int) -> ChatLogprobs | None:
@@ -335,7 +343,9 @@ class Generation:
                                       choices=choices, usage=self.usage(), **extras)
 
     async def chat_stream(self, include_usage: bool, top: int) -> AsyncIterator[str]:
-        def chunk(index: int, delta: dict, **extra: Any) -> str:
+        """Server-sent events as `completion_stream` writes them, after one role event per choice."""
+
+        def event(index: int, delta: dict, **extra: Any) -> str:
             body = {"id": self.base_id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
                     "choices": [{"index": index, "delta": delta, "logprobs": extra.get("logprobs"),
@@ -349,17 +359,10 @@ class Generation:
                 body["usage"] = None
             return _sse(body)
 
-        for choice in self.choices:
-            yield chunk(choice.index, {"role": "assistant", "content": ""})
-        if self.options.chat_echo:
-            for choice in self.choices:
-                yield chunk(choice.index, {"content": self.options.chat_echo})
         sent_prompt_ids = False
-        async for item in self._guarded_stream():
-            if isinstance(item, str):
-                yield item
-                continue
-            choice, delta, text = item
+
+        def chunk(choice: Choice, delta: RequestDelta, text: str) -> str:
+            nonlocal sent_prompt_ids
             start = len(choice.token_ids) - len(delta.new_token_ids)
             lp = self.chat_logprobs(choice, start, top)
             content = {"content": text} if text or not delta.finished else {}
@@ -369,29 +372,44 @@ class Generation:
                 if not sent_prompt_ids:  # once, at the top of the first chunk with tokens (a media
                     sent_prompt_ids = True  # prompt's expanded ids arrive with its first delta)
                     extra["prompt_token_ids"] = self.prompt_token_ids(choice)
-            yield chunk(choice.index, content,
-                        logprobs=None if lp is None else lp.model_dump(),
-                        finish_reason=delta.finish_reason if delta.finished else None,
-                        stop_reason=_stop_reason(delta) if delta.finished else None, **extra)
-        if include_usage and self.done:
-            yield _sse({"id": self.base_id, "object": "chat.completion.chunk", "created": self.created,
-                        "model": self.model, "choices": [], "usage": self.usage().model_dump()})
-        yield "data: [DONE]\n\n"
+            return event(choice.index, content, logprobs=None if lp is None else lp.model_dump(),
+                         finish_reason=delta.finish_reason if delta.finished else None,
+                         stop_reason=_stop_reason(delta) if delta.finished else None, **extra)
 
-    async def _guarded_stream(self) -> AsyncIterator[tuple[Choice, RequestDelta, str] | str]:
-        """The deltas; an engine-side error becomes one SSE error event (the status line is sent
-        already); leaving early (client gone: the generator is closed) aborts what is left."""
+        def usage() -> str:
+            return _sse({"id": self.base_id, "object": "chat.completion.chunk", "created": self.created,
+                         "model": self.model, "choices": [], "usage": self.usage().model_dump()})
+
+        opening = [event(c.index, {"role": "assistant", "content": ""}) for c in self.choices]
+        if self.options.chat_echo:
+            opening += [event(c.index, {"content": self.options.chat_echo}) for c in self.choices]
+        yield "".join(opening)
+        async for events in self._events(chunk, usage if include_usage else None):
+            yield events
+
+    async def _events(self, chunk: Callable[[Choice, RequestDelta, str], str],
+                      usage: Callable[[], str] | None) -> AsyncIterator[str]:
+        """The stream's writes: per batch of deltas, `chunk`'s event for each (a failed choice's error
+        event after its last one), with the `usage` event (when asked for) and `[DONE]` appended to the
+        last batch; an engine-side error becomes one error event (the status line is sent already), then
+        `[DONE]`. Leaving early (the client went: the generator is closed) aborts what is left."""
         try:
-            async for triple in self.deltas():
-                yield triple
-                failure = _failure(triple[1])
-                if failure is not None:  # after the choice's last chunk, which carries it as stop_reason
-                    yield _sse({"error": {"message": failure, "type": "InternalServerError", "param": None,
-                                          "code": 500}})
+            async for batch in self.deltas():
+                events = []
+                for choice, text, delta in batch:
+                    events.append(chunk(choice, delta, text))
+                    failure = _failure(delta)
+                    if failure is not None:  # after the choice's last chunk, which carries it as stop_reason
+                        events.append(_sse({"error": {"message": failure, "type": "InternalServerError",
+                                                      "param": None, "code": 500}}))
+                if self.done:
+                    events += [usage()] if usage is not None else []
+                    events.append("data: [DONE]\n\n")
+                yield "".join(events)
         except ApiError as err:
             yield _sse({"error": {"message": err.message, "type": "ServiceUnavailableError"
                                   if err.status == 503 else "InternalServerError", "param": None,
-                                  "code": err.status}})
+                                  "code": err.status}}) + "data: [DONE]\n\n"
         finally:
             if not self.done:
                 self.abort()

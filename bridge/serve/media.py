@@ -21,7 +21,7 @@ import binascii
 import io
 import wave
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +31,12 @@ import torch
 from PIL import Image
 
 from bridge.serve.errors import ApiError, bounded
+from bridge.serve.media_flags import MEDIA_FLAGS
 from encoders.audio_inputs import decode_pcm, load_audio, wav_header
 from encoders.graph_format import graph_from_dict, graph_size
 from encoders.hashing import content_hash
 from encoders.media_budget import MediaBudget, MediaLimits
 from encoders.vision_inputs import image_size
-
-MEDIA_FLAGS = {f.name: "--max-media-items" if f.name == "max_items" else "--" + f.name.replace("_", "-")
-               for f in fields(MediaLimits)}
-"""The `bridge serve` flag of each `MediaLimits` field (named in a refusal)."""
 
 
 def request_budget(limits: MediaLimits) -> MediaBudget:

@@ -5,8 +5,11 @@ checkpoint directory: then the checkpoint's LLM is served with its trained encod
 the engine (as `Bridge.from_checkpoint` finds them), so chat messages may carry media.
 
 Where things run: the engine in this process, or (`--engine-process`, the default with a CUDA
-engine) in its own (`engine_process.py`); with `--api-server-count N` above 1, N API processes share
-the port in front of it (`api_servers.py`).
+engine) in its own (`engine_process.py`), with `--api-server-count N` API processes in front of it
+(`api_servers.py`; this process then only starts and watches them). Start-up order there: the port
+is bound and the engine process launched before this process imports what the routes need (a
+second or more of it on the engine's path), and the API processes serve `/health` (503) while the
+engine builds (`starting.py`), 200 once it is ready.
 
 Shutdown: uvicorn stops accepting on SIGTERM while running requests get up to `--shutdown-timeout` s
 (streams keep receiving tokens meanwhile); each one left then ends with an error event and `[DONE]`
@@ -16,19 +19,27 @@ Shutdown: uvicorn stops accepting on SIGTERM while running requests get up to `-
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
+from typing import TYPE_CHECKING
 
-from bridge.serve.api_servers import serve_with_api_servers
-from bridge.serve.app import ServerState, build_app
-from bridge.serve.engine_build import build_ready_llm, engine_device_type, resolve_model
+from bridge.serve.engine_build import engine_device_type
 from bridge.serve.engine_flags import add_engine_flags
-from bridge.serve.engine_process import EngineProcess
-from bridge.serve.ingest import DEFAULT_INLINE_BYTES
-from bridge.serve.state_builder import media_limits, server_state
-from bridge.serve.uvicorn_server import graceful_server, uvicorn_config
+from bridge.serve.media_flags import media_limits
 from bridge.wire import DEFAULT_MAX_PROMPT_EMBEDS_BYTES
 from encoders.media_budget import MediaLimits
+
+if TYPE_CHECKING:
+    from bridge.serve.app import ServerState
+
+# The server extra, checked here (what `bridge serve` imports first) without importing it: the routes'
+# modules are imported only where they run.
+for _module in ("fastapi", "uvicorn", "prometheus_client"):
+    if importlib.util.find_spec(_module) is None:
+        raise ImportError(f"No module named {_module!r}")
+
+DEFAULT_INLINE_BYTES = 256 * 2**10  # bridge.serve.ingest's: bodies up to this are parsed in the event loop
 
 logger = logging.getLogger("bridge.serve")
 
@@ -54,11 +65,10 @@ def default_api_server_count(args: argparse.Namespace) -> int:
 
 
 def load_server_state(args: argparse.Namespace) -> ServerState:
-    """One API process: the engine in this process, or in an engine process started here."""
-    if use_engine_process(args):
-        engine = EngineProcess(args)
-        info = engine.start()
-        return server_state(args, engine_process=engine, info=info)
+    """The routes' state with the engine in this process, built and warmed up."""
+    from bridge.serve.engine_build import build_ready_llm, resolve_model
+    from bridge.serve.state_builder import server_state
+
     model = resolve_model(args.path, verify=not args.no_verify)
     return server_state(args, llm=build_ready_llm(model, args), name=model.name)
 
@@ -138,11 +148,16 @@ def serve(args: argparse.Namespace) -> int:
     media_limits(args)  # a bad limit is refused before the engine builds
     if args.max_prompt_bytes is not None and args.max_prompt_bytes < 1:
         raise ValueError(f"--max-prompt-bytes must be >= 1, got {args.max_prompt_bytes}")
-    if args.api_server_count > 1:
-        if args.engine_process is False:
-            raise ValueError("--api-server-count above 1 needs the engine in its own process "
-                             "(drop --no-engine-process)")
+    if args.api_server_count > 1 and args.engine_process is False:
+        raise ValueError("--api-server-count above 1 needs the engine in its own process "
+                         "(drop --no-engine-process)")
+    if args.api_server_count > 1 or use_engine_process(args):
+        from bridge.serve.api_servers import serve_with_api_servers
+
         return serve_with_api_servers(args)
+    from bridge.serve.app import build_app
+    from bridge.serve.uvicorn_server import graceful_server, uvicorn_config
+
     state = load_server_state(args)
     logger.info("serving %s as %r on http://%s:%d", args.path, state.model_name, args.host, args.port)
     graceful_server(uvicorn_config(build_app(state), args), drain=state.drain).run()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bridge.serve.app import ServerState
 from bridge.serve.chat import ChatRenderer
@@ -14,20 +14,12 @@ from bridge.serve.engine_build import audio_sample_rates, set_torch_threads
 from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess
 from bridge.serve.ingest import default_workers
 from bridge.serve.inputs import ServeLimits, default_max_prompt_bytes
-from bridge.serve.media import MEDIA_FLAGS
+from bridge.serve.media_flags import media_limits
 from bridge.serve.metrics import ServeMetrics
-from encoders.media_budget import MediaLimits
-from runner.llm import LLM, load_tokenizer
+from runner.hf_config import load_tokenizer
 
-
-def media_limits(args: argparse.Namespace) -> MediaLimits:
-    """The per-request media budget from the flags (a bad value is a ValueError naming its flag)."""
-    values = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in MEDIA_FLAGS.items()}
-    try:
-        return MediaLimits(**values)
-    except ValueError as err:
-        name = str(err).split(" ", 1)[0]
-        raise ValueError(f"{MEDIA_FLAGS.get(name, name)}: {str(err).split(' ', 1)[1]}") from None
+if TYPE_CHECKING:
+    from runner.llm import LLM
 
 
 def ingest_workers(args: argparse.Namespace, device_type: str) -> int:
@@ -37,12 +29,17 @@ def ingest_workers(args: argparse.Namespace, device_type: str) -> int:
     return default_workers(device_type, api_processes=args.api_server_count or 1)
 
 
+_LOAD = object()
+
+
 def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str | None = None,
                  engine_process: EngineProcess | None = None, engine_link: EngineLink | None = None,
-                 info: EngineInfo | None = None, ingest_pool: Any = None) -> ServerState:
+                 info: EngineInfo | None = None, ingest_pool: Any = None,
+                 tokenizer: Any = _LOAD) -> ServerState:
     """The routes' state for an engine in this process (`llm`) or in an engine process (`info`, with
     the `engine_process` this process started or the `engine_link` its parent handed it). `ingest_pool`:
-    the `ingest_workers(args, ...)` processes, already started."""
+    the `ingest_workers(args, ...)` processes, already started. `tokenizer`: that of `info.llm_dir`,
+    loaded ahead (None: it has none); by default it is loaded here."""
     limits = ServeLimits(max_prompts=args.max_prompts_per_request, max_n=args.max_n,
                          max_prompt_embeds_bytes=args.max_prompt_embeds_bytes,
                          enable_prompt_embeds=args.enable_prompt_embeds, media=media_limits(args))
@@ -51,7 +48,7 @@ def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str 
     if llm is None:
         assert info is not None
         set_torch_threads(args, info.device_type)
-        tokenizer = load_tokenizer(info.llm_dir)
+        tokenizer = load_tokenizer(info.llm_dir) if tokenizer is _LOAD else tokenizer
         encoders = {m: SimpleNamespace(placeholder=token) for m, token in info.placeholders.items()}
         name, sample_rates = info.model_name, dict(info.sample_rates)
         device_type, hidden_size, max_model_len = info.device_type, info.hidden_size, info.max_model_len

@@ -48,9 +48,10 @@ def still_running(pids: list[int], timeout: float = 10) -> list[int]:
 
 class ServerProcess:
     def __init__(self, path: Path, log: Path, *flags: str, api_key: str | None = None,
-                 wait: bool = True) -> None:
+                 wait: bool = True, pythonpath: tuple[str, ...] = ()) -> None:
         """`wait=False` returns as soon as the process is started (call `wait_ready` before use),
-        so that several servers can boot at once."""
+        so that several servers can boot at once. `pythonpath`: directories ahead of the repository on
+        the server's PYTHONPATH (a test's `sitecustomize.py`, say)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -59,7 +60,7 @@ class ServerProcess:
                "--device", "cpu", "--log-level", "warning", *flags]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT)]), "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false"}
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

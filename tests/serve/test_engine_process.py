@@ -90,3 +90,35 @@ def test_messages_carry_tensors_as_raw_bytes_next_to_the_pickle():
         if isinstance(value, torch.Tensor):
             assert got[1][key].dtype == value.dtype and got[1][key].shape == value.shape
             assert torch.equal(got[1][key].to_dense(), value.to_dense()), key
+
+
+def test_a_tick_goes_to_api_process_0_and_to_those_it_concerns_only():
+    """The engine's tick outcome, split between three API processes: process 0 gets every tick (the
+    step's timings and the snapshot for the gauges), the others only a tick holding something of
+    theirs (an admission, a delta, an abort), each exactly their own."""
+    from bridge.serve.engine_loop import Submission, TickOutcome
+    from bridge.serve.engine_process import _Owners
+    from bridge.serve.metrics import EngineSnapshot
+    from runner.outputs import RequestDelta
+
+    owners = _Owners(3)
+    sub = Submission([{"prompt_token_ids": [1]}], [SamplingParams()], ["b-0"], False, owner=1, token=7)
+    admitted = TickOutcome([(sub, None)], [], EngineSnapshot(num_running=1), admit_s=0.001, step_s=0.002)
+    parts = owners.split(admitted, {})
+    assert [owners.wanted(k, p) for k, p in enumerate(parts)] == [True, True, False]
+    assert parts[1].added[0][0] == 7 and parts[0].step_s == 0.002 and parts[1].step_s is None
+
+    quiet = TickOutcome([], [RequestDelta("b-0", [5])], EngineSnapshot(num_running=1), step_s=0.002)
+    parts = owners.split(quiet, {})
+    assert [owners.wanted(k, p) for k, p in enumerate(parts)] == [True, True, False]
+    assert [d.new_token_ids for d in parts[1].deltas] == [[5]] and not parts[0].deltas
+
+    idle = TickOutcome([], [], EngineSnapshot(), step_s=None)
+    parts = owners.split(idle, {})
+    assert [owners.wanted(k, p) for k, p in enumerate(parts)] == [True, False, False]
+    assert parts[0].snapshot is idle.snapshot
+
+    aborted = TickOutcome([], [], EngineSnapshot(), aborted_ids=["b-0"])
+    parts = owners.split(aborted, {1: ["b-0"]})
+    assert [owners.wanted(k, p) for k, p in enumerate(parts)] == [True, True, False]
+    assert parts[1].aborted_ids == ["b-0"] and owners.of == {}
