@@ -156,6 +156,11 @@ def test_webdataset_shards_train_from_a_brace_pattern(tmp_path, capsys):
 
     data = ShardDataset(str(tmp_path / "train-{00000..00002}.tar"))
     assert len(data) == 6 and data[1].target == "a red square" and data[2].target == "a blue square"
+    from bridge.run_check import target_texts  # the check's tiny tokenizer has the run's words
+
+    targets = sorted(set(target_texts(load_recipe(recipe).data)))
+    assert targets == ["a blue square", "a green square", "a red square"]
+    assert data.vocab_words() == ["a", "blue", "green", "red", "square"]
     assert data[2].media["image"][0].getpixel((0, 0)) == COLOURS["blue"]
     # the .json's fields fill the template; the .txt samples have none, so they are bad rows here
     data = ShardDataset(str(tmp_path / "train-{00000..00002}.tar"), prompt="<image> {id}:",

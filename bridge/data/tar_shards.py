@@ -336,11 +336,11 @@ def scan_shards(spec: str, *, prompt: str, target_field: str = "text",
     return scan
 
 
-def shard_target_texts(spec: str, *, target_field: str = "text", columns: Mapping[str, str] | None = None
-                       ) -> list[str]:
-    """Every good sample's target (a tiny model's vocabulary)."""
+def shard_target_texts(spec: str, *, prompt: str = "<image>", target_field: str = "text",
+                       columns: Mapping[str, str] | None = None) -> list[str]:
+    """Every good sample's target (a tiny model's vocabulary: what `ShardDataset.vocab_words` reads)."""
     texts: list[str] = []
-    index_shards(spec, template="", fmt=ShardFormat.from_columns(columns, target_field),
+    index_shards(spec, template=prompt, fmt=ShardFormat.from_columns(columns, target_field),
                  scan=DataScan(Path(spec)), index=None, texts=texts)
     return texts
 
