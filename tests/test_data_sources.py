@@ -237,6 +237,35 @@ def test_multi_turn_loss_with_a_chat_template():
         "red", " circle", "</s>", "yes", "</s>"]
 
 
+#: ChatML as Qwen3 renders it: the last answer (only) after an empty think block
+QWEN3_LIKE = """{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}<|im_start|>assistant
+<think>
+
+</think>
+
+{{ m.content }}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{%- endfor %}"""
+
+
+def test_chatml_end_of_turn_is_learned_and_evaluation_sees_the_training_context():
+    tok = build_tokenizer(["red", "circle", "yes"])
+    tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    tok.chat_template = QWEN3_LIKE
+    rows = {"image": lambda item: 2}
+    turns = (Turn("system", "be brief"), Turn("user", "<image> what?"), Turn("assistant", "red circle"),
+             Turn("user", "sure?"), Turn("assistant", "yes"))
+    ex = conversation_example(turns, {"image": [torch.zeros(2, 4)]}, "{value}")
+    te = tokenize_example(tok, ex, rows)
+    assert [tok.decode([i]) for i, learned in zip(te.seq.ids, te.loss) if learned] == [
+        "red", " circle", "<|im_end|>", "yes", "<|im_end|>"]
+    prompt = generation_prompt(tok, ex)
+    assert prompt.endswith("sure?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    last = len(te.seq.ids) - 2  # "yes" and <|im_end|>
+    assert tokenize_prompt(tok, prompt, ex.media, rows).ids == te.seq.ids[:last]
+
+
 TINY_BASE = {"name": "p", "seed": 0, "stage": "align", **tiny_graph_recipe_parts(),
              "train": {"batch_size": 4, "max_steps": 2, "lr": 1e-3, "progress": False, "device": "cpu"},
              "eval": {"enabled": False}}

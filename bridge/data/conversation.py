@@ -109,9 +109,7 @@ def _template_segments(tokenizer: Any, turns: tuple[Turn, ...]) -> list[Segment]
         else:
             out.append(Segment(turn.text + end, True))
             pos += len(end)
-    if pos < len(text):
-        out.append(Segment(text[pos:], False))
-    return out
+    return out  # what the template puts after the last answer is never learned nor read: left out
 
 
 def conversation_segments(tokenizer: Any, example: Example) -> list[Segment]:
