@@ -362,7 +362,8 @@ def _read_at(path: str, offset: int, size: int) -> bytes:
 
 
 class ShardDataset:
-    """Samples of local tar shards as Examples (see the module docstring)."""
+    """Samples of local tar shards as Examples (see the module docstring). `media_root` is taken for
+    the file sources' common signature; a shard holds its media itself."""
 
     def __init__(self, spec: str, *, prompt: str = "<image>", target_field: str = "text",
                  columns: Mapping[str, str] | None = None, media_root: str | Path | None = None,
