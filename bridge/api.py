@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from bridge.data.conversation import example_prompt
 from bridge.data.example import PLACEHOLDERS, Example
 from bridge.data.prompt_embeds import scatter_rows
 from bridge.data.sources import build_datasets
@@ -249,9 +250,11 @@ class Bridge:
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, example: Example) -> TokenizedPrompt:
+        """The prompt's ids (a conversation Example: its turns before the last answer, rendered as
+        training renders them)."""
         return tokenize_prompt(
             self.tokenizer,
-            example.prompt,
+            example_prompt(self.tokenizer, example),
             example.media,
             {m: enc.num_rows for m, enc in self.encoders.items()},
         )

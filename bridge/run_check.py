@@ -146,7 +146,8 @@ def target_texts(data):
     elif data.source == "webdataset":
         from bridge.data.tar_shards import shard_target_texts
 
-        yield from shard_target_texts(data.train, target_field=data.target_field, columns=data.columns)
+        yield from shard_target_texts(data.train, prompt=data.prompt, target_field=data.target_field,
+                                      columns=data.columns)
 
 
 def scan_data_file(data, name: str, context: int | None, checked: dict) -> DataScan:

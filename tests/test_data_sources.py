@@ -29,8 +29,10 @@ from bridge.tiny_models import build_tokenizer
 from bridge.training.batching import IGNORE, collate_examples, tokenize_example
 from runner.multimodal.prompt_text import encode_text
 
+ROOT = Path(__file__).resolve().parents[1]
 COLOURS = {"red": (200, 30, 30), "blue": (30, 30, 200), "green": (30, 200, 30)}
-QUICK = ["train.max_steps=2", "train.batch_size=2", "train.progress=false", "eval.enabled=false"]
+QUICK = ["train.max_steps=2", "train.batch_size=2", "train.progress=false", "eval.enabled=false",
+         "train.log_every=1"]
 
 
 @pytest.fixture(autouse=True)
@@ -48,18 +50,11 @@ def png(colour: str) -> bytes:
 
 
 def write_recipe(folder: Path, data: dict) -> Path:
-    """A tiny vision run: a one-layer LLM reading 32x32 images through a small CNN."""
-    raw = {
-        "name": "sources",
-        "stage": "finetune",
-        "model": {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-                           "head_dim": 16, "intermediate_size": 64}},
-        "encoder": {"modality": "image", "tower": {"name": "conv", "image_size": 32, "channels": [8, 16]},
-                    "projector": {"name": "linear"}},
-        "data": data,
-        "train": {"trainable": {"tower": True, "projector": True, "llm": True}, "device": "cpu",
-                  "cpu_threads": 1},
-    }
+    """The README's recipe for one's own files (a one-layer LLM reading 32x32 images through a small
+    CNN) with this `data` section, next to the test's files."""
+    raw = yaml.safe_load((ROOT / "recipes" / "files" / "tiny_vision.yaml").read_text())
+    raw["data"] = data
+    raw["train"]["device"] = "cpu"
     path = folder / "recipe.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -96,7 +91,7 @@ def test_llava_conversations_train_and_evaluate(tmp_path, capsys):
     (tmp_path / "llava.json").write_text(json.dumps(llava_rows(tmp_path), indent=2))
     recipe = write_recipe(tmp_path, {"source": "llava", "train": "llava.json", "eval": "llava.json"})
     out = tmp_path / "out"
-    code, stdout, err = run(["train", str(recipe), "--output-dir", str(out), *QUICK[:3],
+    code, stdout, err = run(["train", str(recipe), "--output-dir", str(out), *QUICK[:3], "eval.enabled=true",
                              "eval.num_items=2", "eval.max_tokens=3"], capsys)
     assert code == 0, err
     summary = summary_of(stdout)
@@ -151,11 +146,21 @@ def test_webdataset_shards_train_from_a_brace_pattern(tmp_path, capsys):
     code, stdout, err = run(["train", str(recipe), "--output-dir", str(tmp_path / "out"), *QUICK], capsys)
     assert code == 0, err
     assert summary_of(stdout)["steps"] == 2
+    # loader workers (forked, reading the shards at offsets) make the same batches
+    code, workers, err = run(["train", str(recipe), "--output-dir", str(tmp_path / "out2"), *QUICK,
+                              "train.num_workers=2"], capsys)
+    assert code == 0 and summary_of(workers)["final_loss"] == summary_of(stdout)["final_loss"], err
+    assert "building batches in the training process" not in err  # the workers did build them
 
     from bridge.data.tar_shards import ShardDataset
 
     data = ShardDataset(str(tmp_path / "train-{00000..00002}.tar"))
     assert len(data) == 6 and data[1].target == "a red square" and data[2].target == "a blue square"
+    from bridge.run_check import target_texts  # the check's tiny tokenizer has the run's words
+
+    targets = sorted(set(target_texts(load_recipe(recipe).data)))
+    assert targets == ["a blue square", "a green square", "a red square"]
+    assert data.vocab_words() == ["a", "blue", "green", "red", "square"]
     assert data[2].media["image"][0].getpixel((0, 0)) == COLOURS["blue"]
     # the .json's fields fill the template; the .txt samples have none, so they are bad rows here
     data = ShardDataset(str(tmp_path / "train-{00000..00002}.tar"), prompt="<image> {id}:",
@@ -230,6 +235,35 @@ def test_multi_turn_loss_with_a_chat_template():
     te = tokenize_example(tok, conversation(), rows)
     assert [tok.decode([i]) for i, learned in zip(te.seq.ids, te.loss) if learned] == [
         "red", " circle", "</s>", "yes", "</s>"]
+
+
+#: ChatML as Qwen3 renders it: the last answer (only) after an empty think block
+QWEN3_LIKE = """{%- for m in messages %}{%- if m.role == 'assistant' and loop.last %}<|im_start|>assistant
+<think>
+
+</think>
+
+{{ m.content }}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{%- endfor %}"""
+
+
+def test_chatml_end_of_turn_is_learned_and_evaluation_sees_the_training_context():
+    tok = build_tokenizer(["red", "circle", "yes"])
+    tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    tok.chat_template = QWEN3_LIKE
+    rows = {"image": lambda item: 2}
+    turns = (Turn("system", "be brief"), Turn("user", "<image> what?"), Turn("assistant", "red circle"),
+             Turn("user", "sure?"), Turn("assistant", "yes"))
+    ex = conversation_example(turns, {"image": [torch.zeros(2, 4)]}, "{value}")
+    te = tokenize_example(tok, ex, rows)
+    assert [tok.decode([i]) for i, learned in zip(te.seq.ids, te.loss) if learned] == [
+        "red", " circle", "<|im_end|>", "yes", "<|im_end|>"]
+    prompt = generation_prompt(tok, ex)
+    assert prompt.endswith("sure?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    last = len(te.seq.ids) - 2  # "yes" and <|im_end|>
+    assert tokenize_prompt(tok, prompt, ex.media, rows).ids == te.seq.ids[:last]
 
 
 TINY_BASE = {"name": "p", "seed": 0, "stage": "align", **tiny_graph_recipe_parts(),

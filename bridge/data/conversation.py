@@ -65,13 +65,25 @@ def _format_segments(turns: tuple[Turn, ...], turn_format: str) -> list[Segment]
     return out
 
 
-def _special_strings(tokenizer: Any) -> list[str]:
-    """The tokenizer's special tokens as text, longest first (a template's end-of-turn is one)."""
-    names = set(getattr(tokenizer, "all_special_tokens", None) or [])
-    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        if getattr(tok, "special", False):
-            names.add(str(tok))
-    return sorted((n for n in names if n), key=len, reverse=True)
+#: per tokenizer object: (the tokenizer, its special tokens longest first, the text of its prefix);
+#: every conversation of every step asks, and a real tokenizer has hundreds of special tokens
+_TOKENIZER_TEXT: dict[int, tuple[Any, list[str], str]] = {}
+
+
+def _tokenizer_text(tokenizer: Any) -> tuple[list[str], str]:
+    """The tokenizer's special tokens as text, longest first (a template's end-of-turn is one), and
+    the text of its special prefix (BOS for Llama, nothing for Qwen)."""
+    hit = _TOKENIZER_TEXT.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        names = set(getattr(tokenizer, "all_special_tokens", None) or [])
+        for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+            if getattr(tok, "special", False):
+                names.add(str(tok))
+        prefix = special_prefix(tokenizer)
+        hit = (tokenizer, sorted((n for n in names if n), key=len, reverse=True),
+               tokenizer.decode(prefix) if prefix else "")
+        _TOKENIZER_TEXT[id(tokenizer)] = hit
+    return hit[1], hit[2]
 
 
 def _template_segments(tokenizer: Any, turns: tuple[Turn, ...]) -> list[Segment]:
@@ -84,10 +96,9 @@ def _template_segments(tokenizer: Any, turns: tuple[Turn, ...]) -> list[Segment]
                          f"{str(exc)[:200]}") from None
     if not isinstance(text, str):
         raise ValueError("the chat template did not render text")
-    prefix = tokenizer.decode(special_prefix(tokenizer)) if special_prefix(tokenizer) else ""
+    specials, prefix = _tokenizer_text(tokenizer)
     if prefix and text.startswith(prefix):  # the tokenizer's prefix (BOS) is added once, as id
         text = text[len(prefix):]
-    specials = _special_strings(tokenizer)
     out: list[Segment] = []
     pos = 0
     for turn, mark in zip(turns, marks):
@@ -109,9 +120,7 @@ def _template_segments(tokenizer: Any, turns: tuple[Turn, ...]) -> list[Segment]
         else:
             out.append(Segment(turn.text + end, True))
             pos += len(end)
-    if pos < len(text):
-        out.append(Segment(text[pos:], False))
-    return out
+    return out  # what the template puts after the last answer is never learned nor read: left out
 
 
 def conversation_segments(tokenizer: Any, example: Example) -> list[Segment]:

@@ -21,13 +21,10 @@ PLACEHOLDER_RE = re.compile("|".join(re.escape(p) for p in PLACEHOLDERS))
 _WORD_RE = re.compile(r"^[A-Za-z]+$")  # digits are split one by one by Qwen-style tokenizers
 
 
-#: roles of a conversation's turns (LLaVA's "human" / "gpt" are read as user / assistant)
-ROLES = ("system", "user", "assistant")
-
-
 @dataclass(frozen=True)
 class Turn:
-    """One turn of a conversation: its role and its text (a user turn may hold placeholders)."""
+    """One turn of a conversation: its role ("system", "user" or "assistant") and its text (a user
+    turn may hold placeholders)."""
 
     role: str
     text: str

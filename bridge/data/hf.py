@@ -246,7 +246,7 @@ def _parquet_file(part: _Part):
                          f"{str(exc)[:200]})") from None
 
 
-def _part_batches(part: _Part, names_wanted) -> tuple[list[str], Iterator[Any]]:
+def _part_batches(part: _Part) -> tuple[list[str], Any]:
     """(the file's column names, a function of the columns to read -> their record batches)."""
     if part.kind == "parquet":
         pf = _parquet_file(part)
@@ -271,7 +271,7 @@ def scan_hf(spec: str, *, prompt: str, target_field: str = "text", columns: Mapp
         return scan
     for part in parts:
         try:
-            names, batches = _part_batches(part, None)
+            names, batches = _part_batches(part)
             cols = resolve_columns(names, template=prompt, target_field=target_field, columns=columns or {},
                                    label=part.label)
             root = str(media_root) if media_root else part.root
@@ -299,7 +299,7 @@ def hf_target_texts(spec: str, *, target_field: str = "text", columns: Mapping[s
                     ) -> Iterator[str]:
     """Every target of the files `spec` names (a tiny model's vocabulary)."""
     for part in _parts(spec):
-        names, batches = _part_batches(part, None)
+        names, batches = _part_batches(part)
         text = (columns or {}).get("text", target_field)
         if text not in names:
             continue

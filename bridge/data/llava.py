@@ -219,7 +219,8 @@ def scan_llava(
             if why is not None:
                 scan.add(f"{where}: {why}", where)
                 continue
-            if max_target_tokens is not None and conversation_text_bytes(turns) > max_target_tokens - 2:
+            if max_target_tokens is not None and \
+                    conversation_text_bytes(turns) > max_target_tokens - TARGET_TOKEN_SLACK:
                 scan.long_targets.append((where, " ".join(t.text for t in turns)))
             for mod, rels in media.items():
                 for rel in rels:
@@ -365,5 +366,5 @@ class LlavaDataset:
                 raise ValueError(f"{self.path}: no rows left after skipping bad rows")
 
 
-__all__ = ["LlavaDataset", "TARGET_TOKEN_SLACK", "assistant_texts", "iter_rows",
+__all__ = ["LlavaDataset", "assistant_texts", "iter_rows",
            "parse_row", "scan_llava"]

@@ -336,11 +336,11 @@ def scan_shards(spec: str, *, prompt: str, target_field: str = "text",
     return scan
 
 
-def shard_target_texts(spec: str, *, target_field: str = "text", columns: Mapping[str, str] | None = None
-                       ) -> list[str]:
-    """Every good sample's target (a tiny model's vocabulary)."""
+def shard_target_texts(spec: str, *, prompt: str = "<image>", target_field: str = "text",
+                       columns: Mapping[str, str] | None = None) -> list[str]:
+    """Every good sample's target (a tiny model's vocabulary: what `ShardDataset.vocab_words` reads)."""
     texts: list[str] = []
-    index_shards(spec, template="", fmt=ShardFormat.from_columns(columns, target_field),
+    index_shards(spec, template=prompt, fmt=ShardFormat.from_columns(columns, target_field),
                  scan=DataScan(Path(spec)), index=None, texts=texts)
     return texts
 
@@ -362,7 +362,8 @@ def _read_at(path: str, offset: int, size: int) -> bytes:
 
 
 class ShardDataset:
-    """Samples of local tar shards as Examples (see the module docstring)."""
+    """Samples of local tar shards as Examples (see the module docstring). `media_root` is taken for
+    the file sources' common signature; a shard holds its media itself."""
 
     def __init__(self, spec: str, *, prompt: str = "<image>", target_field: str = "text",
                  columns: Mapping[str, str] | None = None, media_root: str | Path | None = None,
