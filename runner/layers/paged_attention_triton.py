@@ -31,10 +31,8 @@ All softmax state is fp32 and in base 2 (`exp2` with the scale folded with log2(
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -44,34 +42,6 @@ from runner.layers.pdl import release_dependents, use_pdl, wait_for_predecessor
 from runner.layers.triton_launch import launch
 
 LOG2E = 1.4426950408889634
-
-
-def _interpreter_accepts_numpy_2_4() -> None:
-    """Let these kernels run under TRITON_INTERPRET=1 with NumPy >= 2.4.
-
-    Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array_of_shape_1)`, which
-    NumPy 2.4 rejects, so every kernel whose loop bound is loaded from memory fails in interpreter mode.
-    Re-register `__index__` with an explicit element read. Interpreter only; compiled kernels are untouched.
-    """
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_accepts_numpy_2_4", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._accepts_numpy_2_4 = True
-    interpreter._patch_lang_tensor = patched
-
-
-_interpreter_accepts_numpy_2_4()
 
 
 # ----------------------------------------------------------------------------------------------------------
