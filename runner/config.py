@@ -107,6 +107,10 @@ class EngineConfig:
         None, "largest prefill/mixed step replayed from a CUDA graph (default: from the model's size; "
         "0: such steps run eagerly)")
     enable_prefix_caching: bool = option(False, "reuse KV blocks of identical prompt prefixes")
+    batch_invariant: bool = option(
+        False, "a prompt's greedy tokens and logprobs independent of what else runs (alone or in any batch, "
+        "any chunking, prefix cache on or off): every kernel reduces in an order fixed by the model; slower "
+        "(no fused decoder layers, one matmul tile for every size)")
     async_scheduling: bool | None = option(
         None, "plan and launch step n+1 while step n runs (default: on, off with multimodal input)")
     encoder_cache_budget: int | None = option(
@@ -171,8 +175,13 @@ class EngineConfig:
             c.fused_ops = gpu
         if c.fused_linear is None:
             c.fused_linear = c.fused_ops
+        if not isinstance(c.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {str(c.batch_invariant)[:40]!r}")
         if c.fused_layers is None:
-            c.fused_layers = c.fused_linear
+            c.fused_layers = c.fused_linear and not c.batch_invariant
+        elif c.fused_layers and c.batch_invariant:
+            raise ValueError("fused_layers=True cannot run batch_invariant: its norm-GEMM and split-K "
+                             "kernels choose their reduction by the step's size; leave fused_layers unset")
         if c.warmup is None:
             c.warmup = gpu
         if c.kernel_build_threads is None:

@@ -2,7 +2,10 @@
 
 Each switch is a field of `EngineConfig` (`fused_ops`, `fused_linear`, `fused_layers`; defaults: on
 on the GPU, off on the CPU). They nest: merged projections need the fused ops, fused decoder layers need
-the merged projections.
+the merged projections. With `batch_invariant` the grouped MoE GEMM stays out (its tiles follow the
+step's expert counts; Hugging Face's per-expert products go through the invariant matmul instead), and
+`EngineConfig.resolve` keeps the fused decoder layers off; the fused norms, rotary and merged
+projections stay (per-row, elementwise, and the merged GEMMs run through the invariant matmul).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class InstalledKernels:
 
 
 def install_kernels(model: torch.nn.Module, *, fused_ops: bool, fused_linear: bool,
-                    fused_layers: bool) -> InstalledKernels:
+                    fused_layers: bool, batch_invariant: bool = False) -> InstalledKernels:
     """Patch `model` in place: one-kernel RMSNorm and rotary (`runner.layers.fused_ops`), one q/k/v
     GEMM and one gate/up GEMM + SiLU*mul (`runner.layers.fused_linear`), whole decoder layers on
     fused kernels (`runner.layers.fused_layers`), and mixture-of-experts blocks on one grouped GEMM
@@ -37,7 +40,8 @@ def install_kernels(model: torch.nn.Module, *, fused_ops: bool, fused_linear: bo
     installed = InstalledKernels()
     if not fused_ops:
         return installed
-    installed.num_grouped_moe = install_grouped_moe(model)
+    if not batch_invariant:
+        installed.num_grouped_moe = install_grouped_moe(model)
     installed.num_fused_norms = fuse_rmsnorms(model)
     installed.fused_rotary = fuse_rotary(model)
     if fused_linear:
