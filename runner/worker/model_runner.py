@@ -83,8 +83,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_size = config.block_size
         self.eos_token_ids = tuple(eos_token_ids)
-        # Every product, reduction and attention row in a fixed order (runner.layers.batch_invariant).
-        self.batch_invariant = config.batch_invariant
+        self.batch_invariant = config.batch_invariant  # fixed reduction orders: runner.layers.batch_invariant
 
         # Seconds and Triton builds of each start-up phase (load, profile, KV cache, graph captures).
         self._startup = StartupPhases(device)
@@ -96,9 +95,7 @@ class ModelRunner:
                 config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
             )
             self.model = model.to(device).eval().requires_grad_(False)
-            self.kernels = install_kernels(self.model, fused_ops=config.fused_ops,
-                                           fused_linear=config.fused_linear, fused_layers=config.fused_layers,
-                                           batch_invariant=config.batch_invariant)
+            self.kernels = install_kernels(self.model, config)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = wrap_lm_head(model.get_output_embeddings(), hf_config)  # + final logit scaling/capping
@@ -127,7 +124,7 @@ class ModelRunner:
                                     if config.enable_prompt_embeds else None)
         # Encoders, encoder cache, M-RoPE positions (runner.multimodal.state).
         self.mm = mm
-        self.sampler = Sampler()
+        self.sampler = Sampler(batch_invariant=config.batch_invariant)
         self.decode_graphs = DecodeGraphs()
         self.mixed_graphs = GraphBuckets()  # prefill / mixed steps by token count (cuda_graphs.py)
         self.num_graph_replays = 0
@@ -453,8 +450,7 @@ class ModelRunner:
             logits = self.forward(embeds, positions, meta, v.logits_indices)
         self.num_forward_steps += 1
 
-        with batch_invariant_ops(self.batch_invariant):  # the logprobs' log-softmax
-            step = sample_on_device(self.sampler, so, logits[: len(sample_rows)], self.eos_token_ids)
+        step = sample_on_device(self.sampler, so, logits[: len(sample_rows)], self.eos_token_ids)
         if sd.plp_rows:  # read in `finish` (never a graph step, so these logits are not overwritten)
             step.plp_logits, step.plp_spans = logits[len(sample_rows) :], sd.plp_spans
         return step
