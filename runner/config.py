@@ -126,6 +126,17 @@ class EngineConfig:
         None, "threads that build start-up's Triton kernels side by side (default: the usable cores, up "
         "to 8; 0 or 1 builds them one by one where they first run)")
 
+    def determinism_settings(self) -> dict[str, Any]:
+        """The resolved settings a generation's arithmetic depends on, as plain JSON values, for run
+        outputs to record (`bridge eval`'s eval.json): without `batch_invariant` a greedy output may
+        also change with the step sizes these allow (batch, chunk budget, graph buckets, fused kernels)."""
+        out: dict[str, Any] = {}
+        for name in DETERMINISM_FIELDS:
+            value = getattr(self, name)
+            out[name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype | torch.device) \
+                else value
+        return out
+
     @property
     def on_gpu(self) -> bool:
         return torch.device(self.device).type == "cuda" if self.device is not None else False
@@ -188,6 +199,12 @@ class EngineConfig:
             c.kernel_build_threads = min(8, usable_cores())
         _check_int("kernel_build_threads", c.kernel_build_threads, 0)
         return c
+
+
+# The fields `EngineConfig.determinism_settings` records.
+DETERMINISM_FIELDS = ("batch_invariant", "dtype", "device", "enforce_eager", "max_num_seqs",
+                      "max_num_batched_tokens", "enable_prefix_caching", "decode_window",
+                      "mixed_graph_max_tokens", "fused_ops", "fused_linear", "fused_layers", "seed")
 
 
 def check_option_names(names: Any, where: str = "LLM()") -> None:
