@@ -106,6 +106,24 @@ def test_the_mode_routes_products_and_leaves_the_rest(monkeypatch):
     assert torch.equal(lsm, row_softmax(x, log=True))
 
 
+def test_grouped_moe_rows_do_not_depend_on_the_other_tokens():
+    """Bridge's grouped expert kernel in its invariant form (one block size, top-k rows added in slot
+    order): a token's output alone equals its row among 40 tokens."""
+    from runner.layers.moe_grouped import grouped_moe
+
+    g = torch.Generator().manual_seed(4)
+    experts, hidden, inter, top_k = 4, 32, 48, 2
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2
+    down = torch.randn(experts, hidden, inter, generator=g) * 0.2
+    x = torch.randn(40, hidden, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(40)])
+    weights = torch.rand(40, top_k, generator=g)
+    full = grouped_moe(x, index, weights, gate_up, down, invariant=True)
+    for t in (0, 17, 39):
+        alone = grouped_moe(x[t : t + 1], index[t : t + 1], weights[t : t + 1], gate_up, down, invariant=True)
+        assert torch.equal(alone, full[t : t + 1])
+
+
 # --------------------------------------------------------------------------------------------- attention
 
 def _attention_case(backend: str, invariant: bool, window: int | None, softcap: float | None):
@@ -307,6 +325,24 @@ def test_the_gpu_code_path_on_the_cpu_against_itself(model_dir, monkeypatch):
     finally:
         set_attention_backend(previous)
     assert batch[:2] == alone
+
+
+def test_mixture_of_experts_alone_and_chunked_agree(tmp_path):
+    """Hugging Face's experts on the CPU (`grouped_mm`, caught by the mode: one product per expert)."""
+    from bridge.tiny_families import build_family_model
+
+    path = build_family_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=11, init_std=0.1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(12, 200, (n,), generator=g).tolist()}
+               for n in (3, 11, 20, 7)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm = LLM(path, device="cpu", dtype="float32", batch_invariant=True, num_kv_blocks=128)
+    alone = [_results(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+    llm.shutdown()
+    llm = LLM(path, device="cpu", dtype="float32", batch_invariant=True, num_kv_blocks=128,
+              max_num_batched_tokens=7)
+    assert _results(llm.generate(prompts, params, use_tqdm=False)) == alone
+    llm.shutdown()
 
 
 # ------------------------------------------------------------------------------------------------ config

@@ -6,7 +6,8 @@ split), so greedy tokens of the same prompt differ between `LLM.generate` alone,
 served burst wherever two logits are close. With it on, each kernel on the path reduces in an order fixed
 by the model alone:
 
-- matrix products (`F.linear`, `mm`, `addmm`, `matmul`, `bmm`): `runner.layers.invariant_matmul`;
+- matrix products (`F.linear`, `mm`, `addmm`, `matmul`, `bmm`, and `grouped_mm` on the CPU):
+  `runner.layers.invariant_matmul`;
 - row means, softmax and log-softmax on CUDA (norms Bridge does not fuse, MoE routers, the sampler's and
   prompt logprobs): `runner.layers.invariant_rows`;
 - attention: one kernel for every query row, decode or prefill, with key tiles at fixed positions
@@ -110,6 +111,24 @@ def _bmm(args: tuple, kwargs: dict) -> Any:
     return _batched(a, b)
 
 
+def _grouped_mm(args: tuple, kwargs: dict) -> Any:
+    """Hugging Face's MoE experts on the CPU (`grouped_mm`: rows grouped by expert, `offs` the groups'
+    ends): one invariant product per group. CUDA engines serve their experts with Bridge's grouped
+    kernel in its invariant form (`runner.layers.moe_grouped`); reading `offs` there would sync."""
+    a, b = args[0], args[1] if len(args) > 1 else kwargs.get("mat_b")
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    if (not _float_pair(a, b) or a.device.type != "cpu" or a.dim() != 2 or b.dim() != 3 or offs is None
+            or kwargs.get("bias") is not None or kwargs.get("out_dtype") not in (None, a.dtype)):
+        return NotImplemented
+    out = a.new_zeros((a.shape[0], b.shape[2]))
+    start = 0
+    for group, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = invariant_mm(a[start:end], b[group])
+        start = end
+    return out
+
+
 def _last_dim(x: Any, dim: Any) -> bool:
     if isinstance(dim, (list, tuple)) and len(dim) == 1:
         dim = dim[0]
@@ -147,6 +166,7 @@ _HANDLERS: dict[Callable, Callable[[tuple, dict], Any]] = {
     torch.addmm: _addmm, torch.Tensor.addmm: _addmm,
     torch.matmul: _matmul, torch.Tensor.matmul: _matmul, torch.Tensor.__matmul__: _matmul,
     torch.bmm: _bmm, torch.Tensor.bmm: _bmm,
+    **{f: _grouped_mm for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f},
     torch.mean: _mean, torch.Tensor.mean: _mean,
     torch.softmax: _softmax(False, 2), torch.Tensor.softmax: _softmax(False, 2),
     F.softmax: _softmax(False, 3),

@@ -2,9 +2,8 @@
 
 Each switch is a field of `EngineConfig` (`fused_ops`, `fused_linear`, `fused_layers`; defaults: on
 on the GPU, off on the CPU). They nest: merged projections need the fused ops, fused decoder layers need
-the merged projections. With `batch_invariant` the grouped MoE GEMM stays out (its tiles follow the
-step's expert counts; Hugging Face's per-expert products go through the invariant matmul instead), and
-`EngineConfig.resolve` keeps the fused decoder layers off; the fused norms, rotary and merged
+the merged projections. With `batch_invariant` the grouped MoE GEMM takes one block size for every step,
+and `EngineConfig.resolve` keeps the fused decoder layers off; the fused norms, rotary and merged
 projections stay (per-row, elementwise, and the merged GEMMs run through the invariant matmul).
 """
 
@@ -40,8 +39,7 @@ def install_kernels(model: torch.nn.Module, config: EngineConfig) -> InstalledKe
     installed = InstalledKernels()
     if not config.fused_ops:
         return installed
-    if not config.batch_invariant:
-        installed.num_grouped_moe = install_grouped_moe(model)
+    installed.num_grouped_moe = install_grouped_moe(model, batch_invariant=config.batch_invariant)
     installed.num_fused_norms = fuse_rmsnorms(model)
     installed.fused_rotary = fuse_rotary(model)
     if config.fused_linear:
