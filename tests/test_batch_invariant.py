@@ -124,6 +124,40 @@ def test_grouped_moe_rows_do_not_depend_on_the_other_tokens():
         assert torch.equal(alone, full[t : t + 1])
 
 
+_KERNELS_FOR_SM90 = r"""
+import torch
+from runner.layers import invariant_matmul as im, invariant_rows as ir, paged_attention_triton as pat
+c = im.CONFIGS[torch.bfloat16]
+mm = build_sm90(im._matmul_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16",
+                                        part_ptr="*fp32"),
+                dict(HAS_BIAS=False, IS_FP32=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                     SEGMENT_K=c.segment_k, GROUP_M=c.group_m), ["a_ptr", "b_ptr", "c_ptr", "part_ptr"],
+                num_warps=c.num_warps, num_stages=c.num_stages)
+build_sm90(im._reduce_kernel, dict(part_ptr="*fp32", c_ptr="*bf16", bias_ptr="*bf16"),
+           dict(HAS_BIAS=True, BLOCK=1024), num_warps=4)
+build_sm90(ir._row_mean_kernel, dict(x_ptr="*bf16", out_ptr="*bf16"), dict(BLOCK=1024), num_warps=4)
+build_sm90(ir._row_softmax_kernel, dict(x_ptr="*fp32", out_ptr="*fp32"), dict(LOG=True, BLOCK=1024),
+           num_warps=4)
+cfg = pat.invariant_prefill_config(128, torch.bfloat16)
+types = {n: "*bf16" for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+types.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", qk_scale="fp32",
+             softcap_l2="fp32")
+att = build_sm90(pat._prefill_kernel, types, dict(
+    BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_m // 2, G_PAD=2, TILE_N=cfg.tile_n,
+    SEARCH_BLOCK=pat.PREFILL_SEARCH_BLOCK, IS_FP32=False, SLIDING=True, SOFTCAP=False, PAD_D=False,
+    ALL_ROWS=True), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+print("wgmma", "wgmma" in mm.asm["ptx"], "wgmma" in att.asm["ptx"])
+"""
+
+
+def test_the_invariant_kernels_build_for_hopper():
+    """Every new kernel (and the attention kernel's all-rows form) compiles for sm_90 outside the
+    interpreter, the matmul and the attention on wgmma (no GPU needed)."""
+    from helpers import compile_for_sm90
+
+    assert "wgmma True True" in compile_for_sm90(_KERNELS_FOR_SM90)
+
+
 # --------------------------------------------------------------------------------------------- attention
 
 def _attention_case(backend: str, invariant: bool, window: int | None, softcap: float | None):
