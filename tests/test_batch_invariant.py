@@ -7,7 +7,8 @@ with sliding windows and soft-capping, while the default paths do not; the Torch
 products and reductions there. Then the engine, a tiny fp32 qwen3: a mixed set of prompts (token ids,
 whole-prompt embeds, `<embeds>` items, media items through a batching encoder, some asking prompt
 logprobs) run alone, all in one batch, under a 5-token chunk budget, with prefix caching (cold and warm),
-and on emulated CUDA graphs with decode windows, must give identical tokens and logprob floats; without
+under preemption by recompute, and on emulated CUDA graphs with decode windows, must give identical tokens
+and logprob floats; without
 the flag the same comparison differs (MKL answers the rows of a 1-row product with another kernel than a
 64-row one). Last, the GPU code path on the CPU (Triton matmul, attention and norms under the
 interpreter, graphs emulated) against itself.
@@ -294,7 +295,8 @@ def _batch(llm, prompts, order: list[int] | None = None) -> list:
     return [got[order.index(i)] for i in range(len(prompts))]
 
 
-def test_greedy_tokens_and_logprobs_are_the_same_bits_alone_batched_chunked_cached_graphed(model_dir):
+def test_greedy_tokens_and_logprobs_are_the_same_bits_alone_batched_chunked_cached_preempted_graphed(
+        model_dir):
     prompts = _prompts()
     llm, _ = _llm(model_dir, True)
     alone = _alone(llm, prompts)
@@ -314,6 +316,11 @@ def test_greedy_tokens_and_logprobs_are_the_same_bits_alone_batched_chunked_cach
     assert _batch(llm, prompts) == alone  # cold: shared prefixes hit within the batch
     assert _batch(llm, prompts, order=list(range(len(prompts)))[::-1]) == alone  # warm: most prompts hit
     assert llm.block_manager.num_hit_blocks > 0
+    llm.shutdown()
+
+    llm, _ = _llm(model_dir, True, num_kv_blocks=24, block_size=4, max_num_batched_tokens=32)
+    assert _batch(llm, prompts) == alone  # preempted requests recompute their tokens as a prefill
+    assert llm.stats().num_preemptions > 0
     llm.shutdown()
 
     llm, _ = _llm(model_dir, True, max_num_seqs=8, max_num_batched_tokens=64)
