@@ -324,10 +324,15 @@ def test_greedy_tokens_and_logprobs_are_the_same_bits_alone_batched_chunked_cach
     llm.shutdown()
 
     llm, _ = _llm(model_dir, True, max_num_seqs=8, max_num_batched_tokens=64)
-    llm.runner.capture_cuda_graphs(emulate=True)  # padded decode and mixed buckets, then decode windows
+    llm.runner.capture_cuda_graphs(emulate=True)  # padded decode and mixed buckets
     llm.decode_window = 3
     assert _batch(llm, prompts) == alone
     assert llm.runner.num_graph_replays > 0 and llm.runner.num_mixed_graph_replays > 0
+    # Without logprobs the decodes run in windows (argmax on the device, tokens fed back there).
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [a[0] for a in alone]
+    assert llm.runner.num_decode_windows > 0
     llm.shutdown()
 
 

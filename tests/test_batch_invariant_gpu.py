@@ -1,9 +1,10 @@
 """`batch_invariant` on the GPU, in bf16: the pieces at Qwen3-0.6B's shapes, then the engine with its GPU
 defaults (CUDA graphs, decode windows, async scheduling, fused norms and merged projections): 64 prompts
-alone, as one batch of 64, and under a 96-token chunk budget with prefix caching give the same tokens and
-logprob floats; and a `bridge serve --batch-invariant` process answering 64 concurrent clients gives the
-offline engine's. Without the flag the same engine's batch differs from its prompts alone (printed: the
-share of prompts whose tokens still match). Skipped without CUDA."""
+alone, as one batch of 64 (with logprobs, and without, in decode windows), and under a 96-token chunk
+budget with prefix caching give the same tokens and logprob floats; and a `bridge serve --batch-invariant`
+process answering 64 concurrent clients gives the offline engine's. Without the flag the same engine's
+batch differs from its prompts alone (printed: the share of prompts whose tokens still match). Skipped
+without CUDA."""
 
 from __future__ import annotations
 
@@ -109,6 +110,10 @@ def test_engine_alone_batch64_chunked_cached_are_the_same_bits(model_dir):
     assert llm.use_cuda_graphs and llm.runner.num_fused_layers == 0
     alone = _run(llm, prompts, alone=True)
     assert _run(llm, prompts, alone=False) == alone
+    # Without logprobs the decodes run in windows (argmax on the device, tokens fed back there).
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [a[0] for a in alone]
     assert llm.runner.num_graph_replays > 0 and llm.runner.num_decode_windows > 0
     llm.shutdown()
 
