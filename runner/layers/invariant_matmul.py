@@ -34,6 +34,10 @@ from runner.layers.triton_launch import launch
 
 # Rows per CPU tile: small enough that a decode step pads little, large enough for MKL to block well.
 CPU_TILE_ROWS = 32
+# The split-K form runs while the output tiles fill less than this share of the SMs. Only speed depends on
+# it (both forms give the same bits): the split buys parallelism for decode-sized steps and costs a
+# second launch and the partials' round trip.
+SPLIT_BELOW_SM_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ def invariant_mm_triton(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
                         out: torch.Tensor | None = None, split: bool | None = None) -> torch.Tensor:
     """`a @ b (+ bias)` for a (M, K), b (K, N) of one dtype, any strides; the Triton form (see the module
     docstring). `split` forces the split-K form on or off (None: split while the output tiles fill less
-    than half of the SMs); the bits are the same either way."""
+    than `SPLIT_BELOW_SM_SHARE` of the SMs); the bits are the same either way."""
     config = matmul_config(a.dtype)
     m, k = a.shape
     n = b.shape[1]
@@ -159,7 +163,7 @@ def invariant_mm_triton(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | N
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     segments = triton.cdiv(k, config.segment_k)
     if split is None:
-        split = segments > 1 and 2 * tiles < _num_sms(a.device)
+        split = segments > 1 and tiles < SPLIT_BELOW_SM_SHARE * _num_sms(a.device)
     split = bool(split and segments > 1)
     parts = (torch.empty((segments, m, n), dtype=torch.float32, device=a.device) if split else out)
     has_bias = bias is not None
