@@ -32,9 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Importing the paged-attention kernels applies their interpreter fix (runtime loop bounds under
-# TRITON_INTERPRET=1 with NumPy >= 2.4), which these kernels need as well.
-from runner.layers import paged_attention_triton  # noqa: F401
+# (Importing the launch path applies the interpreter's fix for runtime loop bounds, which these kernels need.)
 from runner.layers.triton_launch import launch
 
 GROUPED_MOE_CLASSES = frozenset({"Qwen3MoeExperts", "MixtralExperts", "OlmoeExperts"})
