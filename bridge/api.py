@@ -118,11 +118,14 @@ class Bridge:
         backend: Any = None,
         model_names: Sequence[str | Path] = (),
         media_limits: MediaLimits | None = None,
+        batch_invariant: bool = False,
     ):
         """`backend`: None / "local" (the in-process runner.LLM), an http(s) URL of a vLLM-compatible
         server (bridge.backends.RemoteBackend), or a backend object. `model_names`: other names the
         base LLM goes by, for the remote server's model check. `media_limits` (the attribute of the
-        same name): what one prompt's media may add up to, checked from headers before decoding."""
+        same name): what one prompt's media may add up to, checked from headers before decoding.
+        `batch_invariant`: the local LLM's `batch_invariant` option, and each media item encoded on its
+        own, so a prompt's greedy output does not depend on the prompts generated with it."""
         from transformers import AutoTokenizer
 
         self.llm_dir = Path(llm_dir)
@@ -135,6 +138,7 @@ class Bridge:
         )
         self.dtype = dtype
         self.enforce_eager = enforce_eager
+        self.batch_invariant = batch_invariant
         self.media_limits = media_limits or MediaLimits()
         self.encoders = {m: enc.to(self.device).eval() for m, enc in encoders.items()}
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.llm_dir))
@@ -155,6 +159,7 @@ class Bridge:
         enforce_eager: bool = False,
         backend: Any = None,
         verify: bool = True,
+        batch_invariant: bool = False,
     ) -> Bridge:
         """A trained checkpoint (OUTPUT/checkpoints/step_N, or OUTPUT itself for its newest).
 
@@ -179,6 +184,7 @@ class Bridge:
             enforce_eager=enforce_eager,
             backend=backend,
             model_names=(directory.resolve(), directory.resolve().parents[1], meta.get("base_llm_dir", "")),
+            batch_invariant=batch_invariant,
         )
 
     @classmethod
@@ -212,6 +218,7 @@ class Bridge:
             dtype=recipe.model.dtype,
             device=device,
             enforce_eager=recipe.eval.enforce_eager,
+            batch_invariant=recipe.eval.batch_invariant,
         )
 
     # ------------------------------------------------------------------ engine
@@ -227,6 +234,7 @@ class Bridge:
                 dtype=DTYPES[self.dtype],
                 device=str(self.device),
                 enforce_eager=self.enforce_eager,
+                batch_invariant=self.batch_invariant,
             )
         return self._engine
 
@@ -272,9 +280,12 @@ class Bridge:
                            target_rate=rate if isinstance(rate, int) else None)
 
     @torch.no_grad()
-    def build_requests(self, prompts: Sequence[Any], encode_batch_size: int = 64) -> list[dict]:
+    def build_requests(self, prompts: Sequence[Any], encode_batch_size: int | None = None) -> list[dict]:
         """Prompt dicts -> runner requests {"prompt_embeds", "prompt_is_token_ids", "prompt_token_ids"},
-        tensors on this Bridge's device. Encoders run batched across prompts."""
+        tensors on this Bridge's device. Encoders run batched across prompts, `encode_batch_size` items
+        a call (default 64; 1 with `batch_invariant`: an encoder's kernels depend on its batch too)."""
+        if encode_batch_size is None:
+            encode_batch_size = 1 if self.batch_invariant else 64
         examples = [_as_example(p) for p in prompts]
         for i, ex in enumerate(examples):
             self.check_media(ex, f"prompt {i}")

@@ -3,7 +3,7 @@
     bridge train RECIPE [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge demo {shapes,tones,graphs} [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge defaults [RECIPE]             # every recipe key with its default, and the registered parts
-    bridge eval RUN [--backend URL] [--no-verify]  # evaluate a run's newest checkpoint (or a checkpoint)
+    bridge eval RUN [--backend URL] [--batch-invariant] [--no-verify]  # score a run's newest checkpoint
     bridge serve PATH [--port N] [--no-verify] [...]  # OpenAI-compatible server (`serve` extra)
 
 A checkpoint is checked against its manifest.json before `eval` or `serve` reads it (`--no-verify`
@@ -82,6 +82,8 @@ def _parser(serve_arguments: Any = None) -> argparse.ArgumentParser:
     ev.add_argument("--output", default=None, help="write the full report (with samples) to this JSON file")
     ev.add_argument("--no-verify", action="store_true",
                     help="load the checkpoint even when its files differ from its manifest.json")
+    ev.add_argument("--batch-invariant", action="store_true",
+                    help="each item's greedy output independent of its batch (eval.batch_invariant)")
     serve = sub.add_parser("serve", help="serve a model dir or a trained run over an OpenAI-compatible API")
     if serve_arguments is None:
         serve.add_argument("rest", nargs=argparse.REMAINDER)
@@ -111,6 +113,8 @@ def _eval(args: argparse.Namespace) -> int:
             return 2
     overrides = [f"eval.{k}={v}" for k, v in (("num_items", args.num_items), ("max_tokens", args.max_tokens),
                                                ("backend", args.backend)) if v is not None]
+    if args.batch_invariant:
+        overrides.append("eval.batch_invariant=true")
     try:
         recipe = load_recipe(ckpt / "recipe.yaml", overrides)
     except RecipeError as exc:

@@ -398,6 +398,12 @@ SCHEMA: dict[str, Any] = {
             hi=MAX_BATCH,
         ),
         "enforce_eager": Field(False, "Passed to runner.LLM (no CUDA graphs).", (bool,)),
+        "batch_invariant": Field(
+            False,
+            "Passed to runner.LLM: each item's greedy output the same whatever else is generated with it "
+            "(batch size, chunking); slower. Items' media are encoded one per call.",
+            (bool,),
+        ),
         "backend": Field(
             None,
             "null: evaluate in-process. An http(s):// URL: generate on that vLLM-compatible server "

@@ -107,6 +107,10 @@ class EngineConfig:
         None, "largest prefill/mixed step replayed from a CUDA graph (default: from the model's size; "
         "0: such steps run eagerly)")
     enable_prefix_caching: bool = option(False, "reuse KV blocks of identical prompt prefixes")
+    batch_invariant: bool = option(
+        False, "a prompt's greedy tokens and logprobs independent of what else runs (alone or in any batch, "
+        "any chunking, prefix cache on or off): every kernel reduces in an order fixed by the model; slower "
+        "(no fused decoder layers, one matmul tile for every size)")
     async_scheduling: bool | None = option(
         None, "plan and launch step n+1 while step n runs (default: on, off with multimodal input)")
     encoder_cache_budget: int | None = option(
@@ -121,6 +125,17 @@ class EngineConfig:
     kernel_build_threads: int | None = option(
         None, "threads that build start-up's Triton kernels side by side (default: the usable cores, up "
         "to 8; 0 or 1 builds them one by one where they first run)")
+
+    def determinism_settings(self) -> dict[str, Any]:
+        """The resolved settings a generation's arithmetic depends on, as plain JSON values, for run
+        outputs to record (`bridge eval`'s eval.json): without `batch_invariant` a greedy output may
+        also change with the step sizes these allow (batch, chunk budget, graph buckets, fused kernels)."""
+        out: dict[str, Any] = {}
+        for name in DETERMINISM_FIELDS:
+            value = getattr(self, name)
+            out[name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype | torch.device) \
+                else value
+        return out
 
     @property
     def on_gpu(self) -> bool:
@@ -171,14 +186,25 @@ class EngineConfig:
             c.fused_ops = gpu
         if c.fused_linear is None:
             c.fused_linear = c.fused_ops
+        if not isinstance(c.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {str(c.batch_invariant)[:40]!r}")
         if c.fused_layers is None:
-            c.fused_layers = c.fused_linear
+            c.fused_layers = c.fused_linear and not c.batch_invariant
+        elif c.fused_layers and c.batch_invariant:
+            raise ValueError("fused_layers=True cannot run batch_invariant: its norm-GEMM and split-K "
+                             "kernels choose their reduction by the step's size; leave fused_layers unset")
         if c.warmup is None:
             c.warmup = gpu
         if c.kernel_build_threads is None:
             c.kernel_build_threads = min(8, usable_cores())
         _check_int("kernel_build_threads", c.kernel_build_threads, 0)
         return c
+
+
+# The fields `EngineConfig.determinism_settings` records.
+DETERMINISM_FIELDS = ("batch_invariant", "dtype", "device", "enforce_eager", "max_num_seqs",
+                      "max_num_batched_tokens", "enable_prefix_caching", "decode_window",
+                      "mixed_graph_max_tokens", "fused_ops", "fused_linear", "fused_layers", "seed")
 
 
 def check_option_names(names: Any, where: str = "LLM()") -> None:

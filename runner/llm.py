@@ -101,6 +101,7 @@ class LLM:
             encoders, hidden_size=text_config(hf_config).hidden_size, dtype=config.dtype, device=self.device,
             budget_tokens=budget, uses_mrope=self.model_state_cls.uses_mrope,
             supports_realtime=self.model_state_cls.supports_realtime, max_num_seqs=config.max_num_seqs,
+            encode_alone=config.batch_invariant,  # an item's rows never depend on its batch either
         )
         # Triton builds from here on are counted (profiling, graph capture, warm-up, then traffic)
         self.kernel_compiles = kernel_compiles() if self.device.type == "cuda" else None

@@ -148,11 +148,16 @@ def test_bf16_precision_runs(tmp_path):
 
 
 def test_eval_json_through_runner(tmp_path):
-    summary = Trainer(recipe("eval.enabled=true", "train.max_steps=1"), tmp_path).run()
+    summary = Trainer(recipe("eval.enabled=true", "train.max_steps=1", "eval.batch_invariant=true"),
+                      tmp_path).run()
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["n"] == 8 and 0.0 <= report["exact_match"] <= 1.0
     assert report == {**summary["eval"]} and len(report["samples"]) == 8
     assert {"prompt", "target", "output", "match"} <= set(report["samples"][0])
+    # the engine settings the generations depend on, batch invariance first
+    engine = report["engine"]
+    assert engine["batch_invariant"] is True and engine["dtype"] == "float32" and engine["device"] == "cpu"
+    assert {"max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "fused_layers"} <= set(engine)
 
 
 #: `bridge train` in a child whose checkpoint writer stops after the fill of step 4 (a kill lands mid-save)

@@ -2,7 +2,8 @@
 (via `Bridge`, the same path users call) and score exact match against the targets.
 
 eval.json keeps the first `num_samples` generations and every miss (target and output), so a
-score below 1.0 can be read item by item."""
+score below 1.0 can be read item by item, and under "engine" the settings its generations depend on
+(`batch_invariant` among them: off, an item's output may change with the batch it was generated in)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from bridge.api import Bridge
 from bridge.atomic_files import write_text_atomic
+from bridge.backends import LocalBackend
 from bridge.data.conversation import example_prompt
 from bridge.data.example import normalize_text
 
@@ -54,6 +56,16 @@ def evaluate_bridge(
     }
 
 
+def engine_settings(bridge: Bridge, backend: Any = None) -> dict[str, Any]:
+    """What the outputs of an evaluation depend on besides the checkpoint and the data: the engine
+    settings that change a generation's arithmetic (`runner.config.EngineConfig.determinism_settings`,
+    read from the local engine), or for a remote backend what was asked of it here (the server's own
+    flags decide the rest)."""
+    if backend is None and isinstance(bridge.backend, LocalBackend):
+        return bridge.engine.engine_config.determinism_settings()
+    return {"batch_invariant": bridge.batch_invariant, "dtype": bridge.dtype, "remote": True}
+
+
 def evaluate_checkpoint(
     ckpt: str | Path,
     dataset,
@@ -67,7 +79,8 @@ def evaluate_checkpoint(
     the encoders run here either way. `verify`: check the checkpoint against its manifest first."""
     backend = backend if backend is not None else eval_cfg.get("backend")
     bridge = Bridge.from_checkpoint(
-        ckpt, device=device, enforce_eager=eval_cfg.enforce_eager, backend=backend, verify=verify
+        ckpt, device=device, enforce_eager=eval_cfg.enforce_eager, backend=backend, verify=verify,
+        batch_invariant=eval_cfg.get("batch_invariant", False),
     )
     try:
         report = evaluate_bridge(
@@ -81,6 +94,7 @@ def evaluate_checkpoint(
         if backend is not None:
             bridge.backend.close()
     report["checkpoint"] = str(ckpt)
+    report["engine"] = engine_settings(bridge, backend)
     if backend is not None:
         report["backend"] = backend if isinstance(backend, str) else repr(backend)
     if out_path is not None:

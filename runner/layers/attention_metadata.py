@@ -58,6 +58,8 @@ class ForwardContext:
     # One (key_cache, value_cache) pair per decoder layer, each shaped
     # (num_blocks, block_size, num_kv_heads, head_dim).
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # `EngineConfig.batch_invariant`: attend with the launch whose rows never depend on the step.
+    batch_invariant: bool = False
 
 
 _CONTEXT: ForwardContext | None = None

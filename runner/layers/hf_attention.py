@@ -70,7 +70,8 @@ def bridge_paged_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = paged_attention(q, key_cache, value_cache, meta, scaling, backend=_backend,
-                          sliding_window=sliding_window, softcap=softcap)
+                          sliding_window=sliding_window, softcap=softcap,
+                          batch_invariant=ctx.batch_invariant)
     return out.unsqueeze(0), None
 
 

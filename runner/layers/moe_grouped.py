@@ -16,6 +16,10 @@ then the pairs of each token are summed. The router (softmax, top-k, renormalisa
 only the experts module's `forward(hidden, top_k_index, top_k_weights)` is replaced, per instance, and only
 for CUDA tensors (tests turn `GROUPED_MOE_ON_CPU` on under TRITON_INTERPRET=1).
 
+Batch invariance (`EngineConfig.batch_invariant`): a pair's row is its own dot products over fixed K
+blocks whatever shares its block, so the kernels only need one block size for every step
+(`INVARIANT_BLOCK_M`, not the expert load's), and each token's top-k rows are added in slot order.
+
 Layout served: `gate_up_proj` (E, 2I, H) with gate rows first, `down_proj` (E, H, I), no biases, SiLU
 (transformers 5's concatenated, untransposed expert layout); any other experts module is left alone.
 """
@@ -28,14 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-# Importing the paged-attention kernels applies their interpreter fix (runtime loop bounds under
-# TRITON_INTERPRET=1 with NumPy >= 2.4), which these kernels need as well.
-from runner.layers import paged_attention_triton  # noqa: F401
+# (Importing the launch path applies the interpreter's fix for runtime loop bounds, which these kernels need.)
 from runner.layers.triton_launch import launch
 
 GROUPED_MOE_CLASSES = frozenset({"Qwen3MoeExperts", "MixtralExperts", "OlmoeExperts"})
 # The grouped path runs on CUDA tensors only, unless a test turns this on (under TRITON_INTERPRET=1).
 GROUPED_MOE_ON_CPU = False
+# Pairs per block of a batch-invariant engine, at every step (the decode-sized class).
+INVARIANT_BLOCK_M = 16
 
 
 @triton.jit
@@ -154,8 +158,10 @@ def sort_pairs_by_expert(top_k_index: torch.Tensor, num_experts: int, block_m: i
 
 
 def grouped_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k]; (T, H) like `hidden`."""
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *,
+                invariant: bool = False) -> torch.Tensor:
+    """sum_k w[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k]; (T, H) like `hidden`.
+    `invariant`: one block size for every step and the top-k rows added in slot order (see above)."""
     num_tokens, hidden_dim = hidden.shape
     top_k = top_k_index.shape[1]
     num_experts, two_inter, _ = gate_up_proj.shape
@@ -166,7 +172,7 @@ def grouped_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     w1 = gate_up_proj if gate_up_proj.stride(2) == 1 else gate_up_proj.contiguous()
     w2 = down_proj if down_proj.stride(2) == 1 else down_proj.contiguous()
-    block_m = _block_m(num_pairs, num_experts)
+    block_m = INVARIANT_BLOCK_M if invariant else _block_m(num_pairs, num_experts)
     sorted_pairs, block_expert = sort_pairs_by_expert(top_k_index, num_experts, block_m)
     num_blocks = block_expert.shape[0]
     inter = torch.empty((sorted_pairs.shape[0], inter_dim), dtype=hidden.dtype, device=hidden.device)
@@ -187,7 +193,13 @@ def grouped_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
         num_warps=4, num_stages=3 if hidden.is_cuda else 1,
     )  # fmt: skip
     # Sum each token's top-k rows in fp32 (HF adds them one by one in the model dtype).
-    return pair_out.view(num_tokens, top_k, hidden_dim).float().sum(1).to(hidden.dtype)
+    rows = pair_out.view(num_tokens, top_k, hidden_dim)
+    if not invariant:
+        return rows.float().sum(1).to(hidden.dtype)
+    total = rows[:, 0].float()
+    for k in range(1, top_k):
+        total = total + rows[:, k].float()
+    return total.to(hidden.dtype)
 
 
 def _experts_servable(module: torch.nn.Module) -> bool:
@@ -210,19 +222,21 @@ def _experts_servable(module: torch.nn.Module) -> bool:
 
 
 def _grouped_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> torch.Tensor:
+                     top_k_weights: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
     if not (hidden_states.is_cuda or GROUPED_MOE_ON_CPU) or hidden_states.dim() != 2:
         return module.bridge_original_forward(hidden_states, top_k_index, top_k_weights)
-    return grouped_moe(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj)
+    return grouped_moe(hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                       invariant=invariant)
 
 
-def install_grouped_moe(model: torch.nn.Module) -> int:
-    """Give every servable experts module of `model` the grouped forward; returns how many (idempotent)."""
+def install_grouped_moe(model: torch.nn.Module, *, batch_invariant: bool = False) -> int:
+    """Give every servable experts module of `model` the grouped forward (its batch-invariant form with
+    `batch_invariant`); returns how many (idempotent)."""
     count = 0
     for module in model.modules():
         if not _experts_servable(module):
             continue
         module.bridge_original_forward = module.forward
-        module.forward = functools.partial(_grouped_forward, module)
+        module.forward = functools.partial(_grouped_forward, module, invariant=batch_invariant)
         count += 1
     return count

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from runner.layers.attention_metadata import AttentionMetadata
+from runner.layers.paged_attention_invariant import paged_attention_invariant_torch
 
 if TYPE_CHECKING:
     from runner.layers.paged_attention_triton import DecodeConfig, PrefillConfig
@@ -106,6 +107,7 @@ def paged_attention(
     prefill_config: PrefillConfig | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over the paged KV cache -> (num_tokens, num_q_heads, head_dim).
 
@@ -116,6 +118,9 @@ def paged_attention(
     is None); a request with seq_len 0 and one row (padded decode batch) gets zeros.
     `decode_config` / `prefill_config` override the Triton launch parameters (ignored by the torch path).
     `sliding_window` / `softcap`: see the module docstring (None: full causal attention, no cap).
+    `batch_invariant`: every row's bits independent of the step it runs in (decode, chunk, whole prompt,
+    batch): the Triton kernels' invariant launch, or `runner.layers.paged_attention_invariant` on the
+    torch path; `EngineConfig.batch_invariant` sets it through the forward context.
     """
     _check_cache(key_cache, value_cache)
     if query.dim() != 3:
@@ -142,8 +147,11 @@ def paged_attention(
         return paged_attention_triton(
             query, key_cache, value_cache, meta, scale, out,
             decode_config=decode_config, prefill_config=prefill_config,
-            sliding_window=sliding_window, softcap=softcap,
+            sliding_window=sliding_window, softcap=softcap, batch_invariant=batch_invariant,
         )  # fmt: skip
+    if batch_invariant:
+        return paged_attention_invariant_torch(query, key_cache, value_cache, meta, scale, out,
+                                               sliding_window=sliding_window, softcap=softcap)
     return paged_attention_torch(query, key_cache, value_cache, meta, scale, out,
                                  sliding_window=sliding_window, softcap=softcap)
 

@@ -31,10 +31,8 @@ All softmax state is fp32 and in base 2 (`exp2` with the scale folded with log2(
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -44,34 +42,6 @@ from runner.layers.pdl import release_dependents, use_pdl, wait_for_predecessor
 from runner.layers.triton_launch import launch
 
 LOG2E = 1.4426950408889634
-
-
-def _interpreter_accepts_numpy_2_4() -> None:
-    """Let these kernels run under TRITON_INTERPRET=1 with NumPy >= 2.4.
-
-    Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array_of_shape_1)`, which
-    NumPy 2.4 rejects, so every kernel whose loop bound is loaded from memory fails in interpreter mode.
-    Re-register `__index__` with an explicit element read. Interpreter only; compiled kernels are untouched.
-    """
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_accepts_numpy_2_4", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._accepts_numpy_2_4 = True
-    interpreter._patch_lang_tensor = patched
-
-
-_interpreter_accepts_numpy_2_4()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -548,6 +518,7 @@ def _prefill_kernel(
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
     PAD_D: tl.constexpr,
+    ALL_ROWS: tl.constexpr = False,
 ):
     # Flat grid over query blocks: request b owns programs [qsl[b]//BLOCK_Q + b, qsl[b+1]//BLOCK_Q + b + 1),
     # at least ceil(q_len / BLOCK_Q) of them, so the grid (num_tokens // BLOCK_Q + num_reqs) needs no
@@ -559,8 +530,10 @@ def _prefill_kernel(
     q_end = tl.load(query_start_loc_ptr + req + 1)
     q_len = q_end - q_start
     q_block = global_block - (q_start // BLOCK_Q + req)
-    if q_len <= 1:
-        # 1: the decode kernel's; 0: a padding request.
+    min_len = 2  # 1: the decode kernel's; 0: a padding request
+    if ALL_ROWS:
+        min_len = 1  # batch-invariant steps attend every row here
+    if q_len < min_len:
         return
     if q_block * BLOCK_Q >= q_len:
         return
@@ -595,6 +568,8 @@ def _prefill_kernel(
         # some rows only (the lower edge, masked per row); keys >= win_full = last row - W + 1 are inside
         # every row's window, so the tiles from there on are the full-attention tiles.
         lo = tl.maximum(first_pos - window + 1, 0)
+        if ALL_ROWS:  # key tiles at multiples of TILE_N whatever the block's first row (batch invariance)
+            lo = lo // TILE_N * TILE_N
         win_full = tl.maximum(kv_end - window, lo)
         edge_end = lo + tl.cdiv(win_full - lo, TILE_N) * TILE_N
         for start in range(lo, edge_end, TILE_N):
@@ -726,6 +701,26 @@ def _default_prefill_config(
     return PrefillConfig(block_m=block_m, tile_n=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
 
 
+def invariant_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """The one launch of a batch-invariant engine's attention (`paged_attention_triton(batch_invariant=
+    True)`), for every step: decode rows, prefill chunks and whole prompts.
+
+    Why it is invariant: a query row's output is its online softmax over key tiles [j * TILE_N, (j + 1) *
+    TILE_N) from the first tile it can see to the last its program reads, each tile's logits a `tl.dot` of
+    the same tile shape. Tiles past the row's position (a program reads to its last row's) contribute
+    exactly nothing (weight 0, rescale 1), tiles wholly before a sliding window likewise, and masked and
+    unmasked forms of a tile give the same values where the row sees the key. So the row's bits depend on
+    its own keys and this configuration, never on its block's other rows, its chunk or its batch. What
+    varies in the default launches, and is fixed here: the decode kernel's split count (by the grid size)
+    and tiles, and the prefill tile class (by the step's longest query).
+    """
+    if dtype == torch.float32:
+        return PrefillConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
+    if head_dim <= 128:
+        return PrefillConfig(block_m=64, tile_n=64, num_warps=4, num_stages=3)
+    return PrefillConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
+
+
 #: 32-key tiles, 4 programs per SM, block ids a tile ahead for grids that fill one wave of those; see
 #: `_default_decode_config`
 SMALL_TILE_CONFIG = DecodeConfig(tile_n=32, num_warps=4, num_stages=4, programs_per_sm=4, bt_ahead=True)
@@ -775,12 +770,16 @@ def paged_attention_triton(
     prefill_config: PrefillConfig | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Run the decode and/or prefill kernels into `out` (num_tokens, num_q_heads, head_dim); returns `out`.
 
     Which kernels launch: `meta.is_decode_only` or `max_query_len <= 1` -> decode only (the CUDA-graph
     path: no host data read beyond `meta.num_reqs`). Otherwise the prefill kernel, plus the decode kernel
     unless the host copy `meta.query_start_loc_cpu` shows no single-row request.
+    `batch_invariant`: the prefill kernel alone attends every row, decode rows included, at one launch
+    configuration (`invariant_prefill_config`, `prefill_config` overrides it), with key tiles at multiples
+    of its tile size (see `invariant_prefill_config`).
     `sliding_window` (keys p-W+1..p visible) and `softcap` (`c * tanh(logit / c)`) as in
     `runner.layers.paged_attention.paged_attention`; each is a compile-time switch, so layers without them run
     the kernels unchanged.
@@ -810,9 +809,9 @@ def paged_attention_triton(
         *out.stride(),
     )
 
-    launch_prefill = not meta.is_decode_only and meta.max_query_len > 1
-    launch_decode = True
-    if launch_prefill and meta.query_start_loc_cpu:
+    launch_prefill = batch_invariant or (not meta.is_decode_only and meta.max_query_len > 1)
+    launch_decode = not batch_invariant
+    if launch_decode and launch_prefill and meta.query_start_loc_cpu:
         qsl = meta.query_start_loc_cpu
         launch_decode = any(qsl[i + 1] - qsl[i] == 1 for i in range(num_reqs))
 
@@ -849,8 +848,11 @@ def paged_attention_triton(
 
     if launch_prefill:
         group_pad = triton.next_power_of_2(group)
-        cfg = prefill_config or _default_prefill_config(head_dim, query.dtype, meta.max_query_len, group_pad,
-                                                        meta.fresh_prefill)
+        if batch_invariant:
+            cfg = prefill_config or invariant_prefill_config(head_dim, query.dtype)
+        else:
+            cfg = prefill_config or _default_prefill_config(head_dim, query.dtype, meta.max_query_len,
+                                                            group_pad, meta.fresh_prefill)
         block_m = triton.next_power_of_2(max(cfg.block_m, 16, group_pad))
         block_q = block_m // group_pad
         num_q_blocks = query.shape[0] // block_q + num_reqs
@@ -859,7 +861,7 @@ def paged_attention_triton(
             qk_scale, window, softcap_l2, head_dim, *common_strides, group, num_reqs,
             BLOCK_SIZE=block_size, HEAD_DIM=d_pad, BLOCK_M=block_m, BLOCK_Q=block_q, G_PAD=group_pad,
             TILE_N=cfg.tile_n, SEARCH_BLOCK=PREFILL_SEARCH_BLOCK, IS_FP32=is_fp32,
-            SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d,
+            SLIDING=sliding, SOFTCAP=has_softcap, PAD_D=pad_d, ALL_ROWS=batch_invariant,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out

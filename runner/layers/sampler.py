@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runner.layers.batch_invariant import batch_invariant_ops
 from runner.sampling_params import SamplingParams
 
 # vLLM's threshold: below it a temperature would overflow `logits / t` and is treated as greedy.
@@ -110,9 +111,18 @@ def _row_values(values: Sequence[float], device: torch.device) -> torch.Tensor:
 
 
 class Sampler:
-    """Stateless: everything per request lives in the `SamplingBatch` the engine builds each step."""
+    """Stateless: everything per request lives in the `SamplingBatch` the engine builds each step.
+    `batch_invariant` (`EngineConfig.batch_invariant`): the log-softmax of the logprobs (and the other
+    row reductions) take their batch-invariant forms (`runner.layers.batch_invariant`)."""
+
+    def __init__(self, *, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        with batch_invariant_ops(self.batch_invariant):
+            return self._sample_rows(logits, batch)
+
+    def _sample_rows(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be (num_rows, vocab), got shape {tuple(logits.shape)}")
         n, vocab = logits.shape

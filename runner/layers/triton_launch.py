@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,35 @@ logger = logging.getLogger(__name__)
 # every later launch of the same specialisation would pay Triton's whole key computation again (start-up
 # makes thousands of launches, and on a warm cache that was the pass's whole cost).
 _BUILD_ONLY: ContextVar[set | None] = ContextVar("bridge_triton_build_only", default=None)
+
+
+def _interpreter_accepts_numpy_2_4() -> None:
+    """Let the runner's kernels run under TRITON_INTERPRET=1 with NumPy >= 2.4 (every kernel launches
+    through this module, so importing it is enough).
+
+    Triton 3.6's interpreter turns a runtime loop bound into an int with `int(array_of_shape_1)`, which
+    NumPy 2.4 rejects, so every kernel whose loop bound is a runtime value fails in interpreter mode.
+    Re-register `__index__` with an explicit element read. Interpreter only; compiled kernels are untouched.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_accepts_numpy_2_4", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._accepts_numpy_2_4 = True
+    interpreter._patch_lang_tensor = patched
+
+
+_interpreter_accepts_numpy_2_4()
 
 
 

@@ -223,13 +223,18 @@ class EncoderCache:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        encode_alone: bool = False,
     ) -> None:
+        """`encode_alone` (`EngineConfig.batch_invariant`): one `encode` call per item, so an item's rows
+        never depend on the items encoded beside it (an encoder's own kernels pick by batch size too)."""
         if budget_tokens <= 0:
             raise ValueError(f"encoder cache budget must be positive, got {budget_tokens}")
         self.budget_tokens = int(budget_tokens)
         self.hidden_size = int(hidden_size)
         self.dtype = dtype
         self.device = torch.device(device)
+        self.encode_alone = encode_alone
         self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()  # LRU order: oldest first
         self._refcount: dict[str, int] = {}
         self._request_refs: dict[str, set[str]] = {}
@@ -354,8 +359,9 @@ class EncoderCache:
     ) -> None:
         """Make every feature's rows resident. Cached identifiers are only touched (LRU);
         missing passthrough items are moved to the device/dtype once; missing items of each
-        other modality go through ONE batched `encode` call per modality. A batch of only
-        passthrough items calls no encoder. Entries touched here are not evicted by this call."""
+        other modality go through ONE batched `encode` call per modality (one per item with
+        `encode_alone`). A batch of only passthrough items calls no encoder. Entries touched here
+        are not evicted by this call."""
         missing: dict[str, MultiModalFeature] = {}
         pinned: set[str] = set()
         for feature in features:
@@ -378,18 +384,19 @@ class EncoderCache:
                 by_modality.setdefault(feature.modality, []).append(feature)
 
         failed: dict[str, str] = {}
-        for modality, group in by_modality.items():
+        for modality, items in by_modality.items():
             encoder = (encoders or {}).get(modality)
             if encoder is None:
                 raise ValueError(f"no encoder registered for modality {modality!r}")
-            try:
-                self._encode_group(modality, encoder, group, pinned)
-            except Exception:  # noqa: BLE001 - any encoder error: find the items that cause it
-                for feature in group:  # one by one, so that only the prompts of bad items fail
-                    try:
-                        self._encode_group(modality, encoder, [feature], pinned)
-                    except Exception as err:  # noqa: BLE001
-                        failed[feature.identifier] = f"{type(err).__name__}: {str(err)[:200]}"
+            for group in ([[f] for f in items] if self.encode_alone else [items]):
+                try:
+                    self._encode_group(modality, encoder, group, pinned)
+                except Exception:  # noqa: BLE001 - any encoder error: find the items that cause it
+                    for feature in group:  # one by one, so that only the prompts of bad items fail
+                        try:
+                            self._encode_group(modality, encoder, [feature], pinned)
+                        except Exception as err:  # noqa: BLE001
+                            failed[feature.identifier] = f"{type(err).__name__}: {str(err)[:200]}"
         if failed:
             raise EncoderFailure(failed)
 

@@ -75,13 +75,14 @@ class MultimodalState:
         uses_mrope: bool = False,
         supports_realtime: bool = True,
         max_num_seqs: int = 256,
+        encode_alone: bool = False,
     ) -> None:
         self.hidden_size = hidden_size
         self.device = device
         self.uses_mrope = uses_mrope
         self.supports_realtime = supports_realtime
         self.encoders: dict[str, EncoderProtocol] = {}
-        self.cache = EncoderCache(budget_tokens, hidden_size, dtype, device)
+        self.cache = EncoderCache(budget_tokens, hidden_size, dtype, device, encode_alone=encode_alone)
         self.items = ItemTable(max_num_seqs, hidden_size, dtype, device)
         self._requests: dict[str, _RequestItems] = {}  # admitted requests with items
         self._ahead: dict[str, _RequestItems] = {}  # ... of which some have item positions still ahead

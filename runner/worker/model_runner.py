@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from runner.config import EngineConfig, auto_mixed_graph_max_tokens
 from runner.hf_config import text_config
 from runner.layers.attention_metadata import AttentionMetadata, ForwardContext, set_forward_context
+from runner.layers.batch_invariant import batch_invariant_ops
 from runner.layers.hf_attention import ATTN_IMPLEMENTATION, register_bridge_attention
 from runner.layers.logits_head import wrap_lm_head
 from runner.layers.sampler import Sampler
@@ -82,6 +83,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_size = config.block_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.batch_invariant = config.batch_invariant  # fixed reduction orders: runner.layers.batch_invariant
 
         # Seconds and Triton builds of each start-up phase (load, profile, KV cache, graph captures).
         self._startup = StartupPhases(device)
@@ -93,8 +95,7 @@ class ModelRunner:
                 config.model, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, local_files_only=True
             )
             self.model = model.to(device).eval().requires_grad_(False)
-            self.kernels = install_kernels(self.model, fused_ops=config.fused_ops,
-                                           fused_linear=config.fused_linear, fused_layers=config.fused_layers)
+            self.kernels = install_kernels(self.model, config)
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = wrap_lm_head(model.get_output_embeddings(), hf_config)  # + final logit scaling/capping
@@ -123,7 +124,7 @@ class ModelRunner:
                                     if config.enable_prompt_embeds else None)
         # Encoders, encoder cache, M-RoPE positions (runner.multimodal.state).
         self.mm = mm
-        self.sampler = Sampler()
+        self.sampler = Sampler(batch_invariant=config.batch_invariant)
         self.decode_graphs = DecodeGraphs()
         self.mixed_graphs = GraphBuckets()  # prefill / mixed steps by token count (cuda_graphs.py)
         self.num_graph_replays = 0
@@ -287,20 +288,21 @@ class ModelRunner:
         """Decoder + LM head; fp32 logits, or the head's dtype (`to_float=False`), or written into
         `logits_out` (a plain bias-free head writes there directly, with no temporary)."""
         # positions: (T,) or, on M-RoPE models, (3, T) -> position_ids (3, 1, T).
-        with set_forward_context(ForwardContext(meta, self.kv_caches)):
-            hidden = self.decoder(
-                inputs_embeds=embeds.unsqueeze(0), position_ids=positions.unsqueeze(-2), use_cache=False
-            ).last_hidden_state[0]
-        if logits_indices is not None:
-            hidden = hidden.index_select(0, logits_indices)
-        head = self.lm_head
-        if logits_out is not None:
-            if (type(head) is torch.nn.Linear and head.bias is None and hidden.dtype == logits_out.dtype
-                    and head.weight.dtype == logits_out.dtype):
-                return torch.mm(hidden, head.weight.t(), out=logits_out)
-            return logits_out.copy_(head(hidden))
-        logits = head(hidden)
-        return logits.float() if to_float else logits
+        with batch_invariant_ops(self.batch_invariant):
+            with set_forward_context(ForwardContext(meta, self.kv_caches, self.batch_invariant)):
+                hidden = self.decoder(
+                    inputs_embeds=embeds.unsqueeze(0), position_ids=positions.unsqueeze(-2), use_cache=False
+                ).last_hidden_state[0]
+            if logits_indices is not None:
+                hidden = hidden.index_select(0, logits_indices)
+            head = self.lm_head
+            if logits_out is not None:
+                if (type(head) is torch.nn.Linear and head.bias is None and hidden.dtype == logits_out.dtype
+                        and head.weight.dtype == logits_out.dtype):
+                    return torch.mm(hidden, head.weight.t(), out=logits_out)
+                return logits_out.copy_(head(hidden))
+            logits = head(hidden)
+            return logits.float() if to_float else logits
 
     def can_replay(self, num_reqs: int) -> bool:
         """Whether a decode step of `num_reqs` requests has a captured graph bucket."""
@@ -463,7 +465,8 @@ class ModelRunner:
         so = step.so
         result = sampled_result(step)
         if step.plp_spans:
-            result.prompt_logprobs = compute_prompt_logprobs(so, step.plp_logits, step.plp_spans)
+            with batch_invariant_ops(self.batch_invariant):
+                result.prompt_logprobs = compute_prompt_logprobs(so, step.plp_logits, step.plp_spans)
         for i, req in enumerate(so.requests):
             token = result.sampled_token_ids[i]
             if token is None or req.is_finished:
