@@ -221,8 +221,8 @@ def process_tree(root: int) -> list[int]:
     return pids
 
 
-def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, cache_dir: pathlib.Path,
-                 log_path: pathlib.Path) -> Server:
+def start_server(model_dir: pathlib.Path, args, server_args: str, settings: dict, dtype: str,
+                 cache_dir: pathlib.Path, log_path: pathlib.Path, trace: pathlib.Path) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "bridge", "serve", str(model_dir), "--port", str(port),
            "--enable-prompt-embeds", "--dtype", dtype, "--log-level", "info",
@@ -232,11 +232,10 @@ def start_server(model_dir: pathlib.Path, args, settings: dict, dtype: str, cach
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if args.smoke:
         cmd += ["--device", "cpu"]
-    cmd += shlex.split(args.server_args)
+    cmd += shlex.split(server_args)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "TRITON_CACHE_DIR": str(cache_dir)}
-    if args.trace:
-        env["BRIDGE_TICK_TRACE"] = str(pathlib.Path(args.trace).resolve())
+    env = {**os.environ, "PYTHONPATH": path, "TRITON_CACHE_DIR": str(cache_dir),
+           "BRIDGE_TICK_TRACE": str(trace.resolve())}
     if args.smoke:
         env["OMP_NUM_THREADS"] = "1"
     out = open(log_path, "wb")  # noqa: SIM115 - the child holds it; closed when this process exits
@@ -440,7 +439,7 @@ class Clients:
 
         ttft, itl, chunks, enc = pooled("ttft"), pooled("itl"), pooled("chunks"), pooled("encode_s")
         return {"tok_s": tokens / seconds, "seconds": seconds, "output_tokens": tokens, "requests": len(ttft),
-                "start_late_s": began - start_at,
+                "began": began, "ended": began + seconds, "start_late_s": began - start_at,
                 "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
                 "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p99_ms": percentile(itl, 99) * 1e3,
                 "chunks_per_request": statistics.mean(chunks), "encode_ms_mean": statistics.mean(enc) * 1e3,
@@ -471,9 +470,10 @@ def offline_phase(model_dir, device, dtype, settings, embeds, max_tokens, runs: 
     return {"tok_s": statistics.median(timed), "runs_tok_s": timed}
 
 
-def served_runs(server: Server, clients: Clients, args, requests_file, max_tokens) -> dict:
+def served_runs(server: Server, clients: Clients, args, requests_file, max_tokens,
+                trace: pathlib.Path) -> dict:
     """One warm-up run, then `args.runs` timed runs (the median by throughput is reported, each kept),
-    with the server's CPU time per request over each run."""
+    with the server's CPU time per request and its engine's tick trace over each run."""
     clients.run(args.client, server.url, requests_file, max_tokens, args.in_flight)  # warm-up
     runs = []
     for _ in range(args.runs):
@@ -484,17 +484,53 @@ def served_runs(server: Server, clients: Clients, args, requests_file, max_token
             res[f"server_cpu_ms_per_request_{role}"] = (after[role] - before[role]) / res["requests"] * 1e3
         res["server_cpu_ms_per_request"] = sum(after.values()) - sum(before.values())
         res["server_cpu_ms_per_request"] *= 1e3 / res["requests"]
+        res["engine"] = engine_summary(trace, res.pop("began"), res.pop("ended"), args.in_flight)
         runs.append(res)
+        e = res["engine"]
         log(f"  served ({args.client}): {res['tok_s']:.0f} tok/s, TTFT p50 {res['ttft_p50_ms']:.0f} ms, "
             f"{res['chunks_per_request']:.1f} chunks/request, server CPU "
-            f"{res['server_cpu_ms_per_request']:.1f} ms/request")
+            f"{res['server_cpu_ms_per_request']:.1f} ms/request; engine: {e.get('mean_running', 0):.1f} of "
+            f"{args.in_flight} slots running on average, {e.get('arriving_share', 0):.0%} of ticks while "
+            f"requests arrived, ticks busy {e.get('tick_busy_share', 0):.0%} of the run")
     ranked = sorted(runs, key=lambda r: r["tok_s"])
     return {**ranked[len(ranked) // 2], "runs_tok_s": [r["tok_s"] for r in runs], "runs": runs}
 
 
-def started(model_dir, args, settings, dtype_name, cache_dir, log_dir, which: str) -> Server:
-    log(f"starting bridge serve ({which})")
-    server = start_server(model_dir, args, settings, dtype_name, cache_dir, log_dir / f"serve_{which}.log")
+def engine_summary(trace: pathlib.Path, began: float, ended: float, slots: int) -> dict:
+    """What the server's engine did during one run, from its tick trace (one JSON line per tick,
+    `time.monotonic()`, the clients' clock): ticks, the share taken while requests were arriving (decode
+    windows cut short, none launched behind another), the decode windows used, the requests running
+    on average over time (against the slots a full batch has: offline keeps them all busy), and the
+    share of the run the engine thread spent inside ticks (admitting and stepping)."""
+    if not trace.exists():
+        return {}
+    ticks = []
+    for line in trace.read_text().splitlines():
+        try:
+            tick = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if began <= tick["t"] <= ended:
+            ticks.append(tick)
+    if len(ticks) < 2:
+        return {"ticks": len(ticks)}
+    span = ticks[-1]["t"] - ticks[0]["t"]
+    running = sum(t["running"] * (nxt["t"] - t["t"]) for t, nxt in zip(ticks, ticks[1:])) / span
+    windows: dict[str, int] = {}
+    for t in ticks:
+        if t["deltas"]:
+            windows[str(t["window"])] = windows.get(str(t["window"]), 0) + 1
+    return {"ticks": len(ticks), "arriving_share": statistics.mean(t["arriving"] for t in ticks),
+            "windows_of_stepping_ticks": windows, "mean_running": running, "slots": slots,
+            "tick_busy_share": sum(t["admit_s"] + t["step_s"] for t in ticks) / (ended - began),
+            "mean_step_ms": statistics.mean(t["step_s"] for t in ticks) * 1e3}
+
+
+def started(model_dir, args, server_args: str, settings, dtype_name, cache_dir, log_dir, which: str,
+            trace: pathlib.Path) -> Server:
+    log(f"starting bridge serve ({which}: {server_args or 'default flags'})")
+    server = start_server(model_dir, args, server_args, settings, dtype_name, cache_dir,
+                          log_dir / f"serve_{which.replace(' ', '_')}.log", trace)
     try:
         timeline = server.wait_healthy()
     except BaseException:
@@ -527,6 +563,17 @@ def table(results: dict) -> str:
          f"other {s['server_cpu_ms_per_request_other']:.1f}"),
         ("client CPU ms / request", f"{s['client_cpu_ms_per_request']:.1f}", f"--client {results['client']}"),
     ]
+    e = s.get("engine") or {}
+    if e.get("ticks", 0) > 1:
+        rows.append(("engine: mean running / slots", f"{e['mean_running']:.1f} / {e['slots']}",
+                     f"offline keeps {e['slots']} running; windows {e['windows_of_stepping_ticks']}"))
+        rows.append(("engine: ticks while arriving", f"{e['arriving_share']:.0%}",
+                     f"of {e['ticks']} ticks; ticks busy {e['tick_busy_share']:.0%} of the run, "
+                     f"mean step {e['mean_step_ms']:.1f} ms"))
+    for v in results["variants"][1:]:
+        rows.append(("served / offline, variant", f"{v['ratio']:.3f}",
+                     f"{v['server_args']!r}: {v['served']['tok_s']:.0f} tok/s, /health 200 after "
+                     f"{v['start']['health_200_s']:.1f} s"))
     for name, t in (("cold", cold), ("warm", warm)):
         if t:
             rows.append((f"/health 200 s, {name}", f"{t['health_200_s']:.1f}",
@@ -551,11 +598,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rows", type=int, default=None, help="prompt-embeds rows per request (default 512)")
     ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 128)")
     ap.add_argument("--runs", type=int, default=None, help="timed runs per side (median; default 3, smoke 1)")
-    ap.add_argument("--server-args", default=None,
-                    help="more `bridge serve` flags, e.g. --server-args='--api-server-count 4' (smoke "
-                         "default: '--engine-process --api-server-count 2', the GPU layout)")
+    ap.add_argument("--server-args", action="append", default=None,
+                    help="more `bridge serve` flags, e.g. --server-args='--api-server-count 4'; given "
+                         "several times, each is a server of its own measured against the same offline "
+                         "runs (the first one's start is the cold one). Smoke default: "
+                         "'--engine-process --api-server-count 2', the GPU layout")
     ap.add_argument("--no-warm-start", action="store_true", help="skip the second (warm) start")
-    ap.add_argument("--trace", default=None, help="the server appends one JSON line per engine tick here")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -566,7 +614,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     defaults = {"client_procs": 2 if small else 8, "in_flight": 8 if small else 64,
                 "requests": 32 if small else 256, "rows": 64 if small else 512,
                 "max_tokens": 16 if small else 128, "runs": 1 if small else 3,
-                "server_args": "--engine-process --api-server-count 2" if small else ""}
+                "server_args": ["--engine-process --api-server-count 2" if small else ""]}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -601,26 +649,32 @@ def main(argv=None) -> int:
                      "model": "qwen3 tiny" if args.smoke else "Qwen3-0.6B-shaped (random bf16)",
                      "client": args.client, "client_procs": args.client_procs, "in_flight": args.in_flight,
                      "requests": args.requests, "rows": args.rows, "max_tokens": args.max_tokens,
-                     "engine": settings, "server_args": args.server_args,
+                     "engine": settings,
                      "payload_bytes": len(serialise(embeds[0])), "start_warm": None}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` around this: the finallys run
     clients = None
+    results["variants"] = []
     try:
         log(f"offline LLM.generate: {args.requests} requests, max_num_seqs {args.in_flight}")
         results["offline"] = offline_phase(model_dir, device, dtype, settings, embeds, max_tokens, args.runs)
         clients = Clients(args.client_procs)
-        server = started(model_dir, args, settings, dtype_name, cache_dir, log_dir, "cold")
-        try:
-            results["start_cold"] = server.timeline
-            results["served"] = served_runs(server, clients, args, requests_file, max_tokens)
-        except BaseException:
-            log(f"the run failed; the server's log ends with:\n{server.log_text()[-4000:]}")
-            raise
-        finally:
-            code = server.stop()
-        results["server_exit_code"] = code
+        for k, server_args in enumerate(args.server_args):
+            trace = work_dir / f"ticks_{k}.jsonl"
+            server = started(model_dir, args, server_args, settings, dtype_name, cache_dir, log_dir,
+                             "cold" if k == 0 else f"variant {k}", trace)
+            try:
+                served = served_runs(server, clients, args, requests_file, max_tokens, trace)
+            except BaseException:
+                log(f"the run failed; the server's log ends with:\n{server.log_text()[-4000:]}")
+                raise
+            finally:
+                code = server.stop()
+            results["variants"].append({"server_args": server_args, "start": server.timeline,
+                                        "served": served, "server_exit_code": code,
+                                        "ratio": served["tok_s"] / results["offline"]["tok_s"]})
         if not args.no_warm_start:
-            server = started(model_dir, args, settings, dtype_name, cache_dir, log_dir, "warm")
+            server = started(model_dir, args, args.server_args[0], settings, dtype_name, cache_dir, log_dir,
+                             "warm", work_dir / "ticks_warm.jsonl")
             results["start_warm"] = server.timeline
             server.stop()
     finally:
@@ -628,6 +682,9 @@ def main(argv=None) -> int:
             clients.close()
         shutil.rmtree(work_dir if log_dir != work_dir else cache_dir, ignore_errors=True)
         requests_file.unlink(missing_ok=True)
+    first = results["variants"][0]
+    results.update(served=first["served"], start_cold=first["start"],
+                   server_exit_code=first["server_exit_code"])
     results["ratio"] = results["served"]["tok_s"] / results["offline"]["tok_s"]
     print("RESULT " + json.dumps(results), flush=True)
     print(table(results), flush=True)

@@ -199,6 +199,45 @@ class _Owners:
         return owner == 0 or bool(part.added or part.deltas or part.aborted_ids or part.step_error)
 
 
+class _Outbox:
+    """The engine's messages to the API processes, written by a thread of its own, in order per API process.
+
+    Why: a tick's outcome written from the engine's thread is time between one step and the next launch
+    (a pickle and a pipe write per API process, a write that waits while that process is slow to read).
+    While requests arrive, decode windows are not launched behind one another, so the GPU waited that
+    long each tick. Here the engine's thread only queues them and goes on to its next step. A pipe that
+    breaks (its API process went) is reported to the engine's inbox as that process's end."""
+
+    def __init__(self, outcomes: list[Any], inbox: queue.SimpleQueue) -> None:
+        self.outcomes, self.inbox = outcomes, inbox
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._gone: set[int] = set()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bridge-engine-outbox")
+        self._thread.start()
+
+    def send(self, owner: int, message: Any) -> None:
+        self._queue.put((owner, message))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            owner, message = item
+            if owner in self._gone:
+                continue
+            try:
+                _send(self.outcomes[owner], message)
+            except (BrokenPipeError, OSError):
+                self._gone.add(owner)
+                self.inbox.put((owner, ("eof",)))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued (up to `timeout` s), then end the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
 def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, status: Any) -> None:
     """The engine process: build the LLM as `bridge serve` does, say "ready" (or "failed") on `status`
     to the process that started it, then tick until every API process (one `(requests, outcomes)` pipe
@@ -231,6 +270,7 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
         threading.Thread(target=_receive_forever, args=(owner, requests, inbox), daemon=True,
                          name=f"bridge-engine-inbox-{owner}").start()
     owners = _Owners(len(connections))
+    outbox = _Outbox(outcomes, inbox)
     subs: list[Submission] = []
     aborts: dict[int, list[str]] = {}
     arriving = [0] * len(connections)
@@ -269,18 +309,16 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
             except Exception:  # noqa: BLE001 - a bug in a tick must not silently stall every client
                 logger.exception("engine tick failed; failing the requests it held")
                 for owner in {sub.owner for sub in subs} - done:
-                    _send(outcomes[owner], ("tick_failed", [sub.token for sub in subs if sub.owner == owner]))
+                    outbox.send(owner, ("tick_failed", [sub.token for sub in subs if sub.owner == owner]))
                 subs, aborts = [], {}
                 continue
             parts = owners.split(outcome, aborts)
             subs, aborts = [], {}
             for owner, part in enumerate(parts):
                 if owner not in done and owners.wanted(owner, part):
-                    try:
-                        _send(outcomes[owner], ("tick", part))
-                    except (BrokenPipeError, OSError):
-                        done.add(owner)
+                    outbox.send(owner, ("tick", part))
     finally:
+        outbox.close()
         ticker.close()
         llm.shutdown()
 
@@ -307,6 +345,7 @@ class EngineProcess:
             requests_recv, requests = ctx.Pipe(duplex=False)
             outcomes, outcomes_send = ctx.Pipe(duplex=False)
             _widen(requests)
+            _widen(outcomes_send)  # ticks queue up there while an API process is busy, not in the engine
             self.links.append(EngineLink(requests, outcomes, owner))
             engine_ends.append((requests_recv, outcomes_send))
         self._engine_ends = engine_ends

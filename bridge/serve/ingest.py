@@ -17,7 +17,10 @@ with long base64 strings kept out of its character-by-character string scan).
 
 Bodies up to `inline_bytes` are parsed in the event loop as before (the hop costs more than it
 saves on small ones); with `workers=0` every body is (the CPU-device default: there the engine
-needs the cores).
+needs the cores, and the default with several API processes). Either way a body's top-level payloads
+are decoded as it is parsed (`decode_payloads`), before the route validates the request's model:
+each payload string then still carries the bytes `json_body.py` decoded while checking it, which the
+model's validated copy of the string does not.
 """
 
 from __future__ import annotations
@@ -98,35 +101,58 @@ def _warm() -> int:
     return os.getpid()
 
 
+def decode_payloads(data: Any, spec: EmbedsSpec) -> list[DecodedEmbeds] | None:
+    """A parsed body's top-level `prompt_embeds` payloads, decoded and checked as the route would, each
+    replaced by `PLACEHOLDER` in `data`; None (and `data` untouched) when it has none, or when the route
+    refuses them unread (prompt embeds off, too many prompts). Every payload error is its 400's message."""
+    embeds = data.get("prompt_embeds") if isinstance(data, dict) else None
+    payloads = [embeds] if isinstance(embeds, str) else embeds
+    if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+        return None
+    if not spec.enabled or len(payloads) > spec.max_prompts:
+        return None
+    decoded = []
+    for payload in payloads:
+        start = time.perf_counter()
+        try:
+            tensor = load_prompt_embeds(payload, hidden_size=spec.hidden_size, max_bytes=spec.max_bytes,
+                                        max_rows=spec.max_rows, check_finite=False)
+            decoded.append(DecodedEmbeds(tensor, None, time.perf_counter() - start))
+        except ValueError as exc:
+            decoded.append(DecodedEmbeds(None, str(exc), time.perf_counter() - start))
+        except Exception as exc:  # noqa: BLE001 - hostile input: the route answers 400, the server lives
+            message = f"prompt_embeds could not be decoded ({type(exc).__name__})"
+            decoded.append(DecodedEmbeds(None, message, time.perf_counter() - start))
+    data["prompt_embeds"] = PLACEHOLDER if isinstance(embeds, str) else [PLACEHOLDER] * len(payloads)
+    return decoded
+
+
 def parse_in_worker(body: bytes, spec: EmbedsSpec) -> tuple[str, Any, Any]:
-    """("json_error", msg, pos) or ("ok", data, decoded | None). Runs in a pool process."""
+    """("json_error", msg, pos) or ("ok", data, decoded | None). Runs in a pool process: each tensor goes
+    back as its raw bytes, dtype name and shape (plain data: nothing of the client's is unpickled)."""
     try:
         data = loads_body(body)
     except json.JSONDecodeError as exc:
         return "json_error", exc.msg, exc.pos
     except UnicodeDecodeError as exc:  # json.loads decodes bytes itself; bad UTF-8 is a JSON error
         return "json_error", f"invalid UTF-8 ({exc.reason})", exc.start
-    embeds = data.get("prompt_embeds") if isinstance(data, dict) else None
-    payloads = [embeds] if isinstance(embeds, str) else embeds
-    if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+    decoded = decode_payloads(data, spec)
+    if decoded is None:
+        embeds = data.get("prompt_embeds") if isinstance(data, dict) else None
+        if isinstance(embeds, str) or (isinstance(embeds, list) and embeds and all(isinstance(p, str)
+                                                                                   for p in embeds)):
+            # refused unread by the route: not worth sending back
+            data["prompt_embeds"] = PLACEHOLDER if isinstance(embeds, str) else [PLACEHOLDER] * len(embeds)
         return "ok", data, None
-    decoded: list[tuple] = []
-    if spec.enabled and len(payloads) <= spec.max_prompts:  # else the route refuses them unread
-        for payload in payloads:
-            start = time.perf_counter()
-            try:
-                tensor = load_prompt_embeds(payload, hidden_size=spec.hidden_size, max_bytes=spec.max_bytes,
-                                            max_rows=spec.max_rows, check_finite=False)
-                raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
-                decoded.append((raw, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), None,
-                                time.perf_counter() - start))
-            except ValueError as exc:
-                decoded.append((None, None, None, str(exc), time.perf_counter() - start))
-            except Exception as exc:  # noqa: BLE001 - hostile input: the route answers 400, the worker lives
-                message = f"prompt_embeds could not be decoded ({type(exc).__name__})"
-                decoded.append((None, None, None, message, time.perf_counter() - start))
-    data["prompt_embeds"] = PLACEHOLDER if isinstance(embeds, str) else [PLACEHOLDER] * len(payloads)
-    return "ok", data, decoded if decoded else None
+    out = []
+    for d in decoded:
+        if d.tensor is None:
+            out.append((None, None, None, d.error, d.seconds))
+        else:
+            raw = d.tensor.contiguous().view(torch.uint8).numpy().tobytes()
+            dtype = str(d.tensor.dtype).removeprefix("torch.")
+            out.append((raw, dtype, tuple(d.tensor.shape), None, d.seconds))
+    return "ok", data, out
 
 
 # ----------------------------------------------------------------------------- in the server
@@ -214,7 +240,10 @@ class BodyParser:
     async def parse(self, body: bytes) -> ParsedBody:
         if self._pool is None or len(body) <= self.inline_bytes:
             self._count("inline")
-            return ParsedBody(loads_body(body), None)
+            data = loads_body(body)
+            # decoded here, while each payload still carries the bytes its base64 check decoded
+            # (`json_body.py`): the request's validated model holds plain copies of the strings
+            return ParsedBody(data, decode_payloads(data, self.spec))
         self._count("pool")
         loop = asyncio.get_running_loop()
         try:
@@ -224,7 +253,8 @@ class BodyParser:
             logger.error("an ingest worker died; restarting the pool and parsing this body in-process")
             self.close()
             self._pool = self._new_pool()
-            return ParsedBody(loads_body(body), None)
+            data = loads_body(body)
+            return ParsedBody(data, decode_payloads(data, self.spec))
         if kind == "json_error":
             raise json.JSONDecodeError(data, "", decoded)
         return ParsedBody(data, None if decoded is None else [_rebuild(*d) for d in decoded])

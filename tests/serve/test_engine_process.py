@@ -122,3 +122,30 @@ def test_a_tick_goes_to_api_process_0_and_to_those_it_concerns_only():
     parts = owners.split(aborted, {1: ["b-0"]})
     assert [owners.wanted(k, p) for k, p in enumerate(parts)] == [True, True, False]
     assert parts[1].aborted_ids == ["b-0"] and owners.of == {}
+
+
+def test_the_outbox_writes_in_order_and_reports_a_gone_api_process():
+    """The engine's messages leave from a thread of their own (the engine's thread only queues them):
+    each API process gets its own in the order queued; one whose pipe broke is reported to the engine's
+    inbox as that process's end, and later messages for it are dropped."""
+    import multiprocessing
+    import queue
+
+    from bridge.serve.engine_process import _Outbox, _recv
+
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    outbox = _Outbox([send for _, send in pipes], inbox)
+    for k in range(5):
+        outbox.send(0, ("tick", k))
+        outbox.send(1, ("tick", -k))
+    assert [_recv(pipes[0][0]) for _ in range(5)] == [("tick", k) for k in range(5)]
+    assert [_recv(pipes[1][0]) for _ in range(5)] == [("tick", -k) for k in range(5)]
+    pipes[1][0].close()  # API process 1 is gone
+    outbox.send(1, ("tick", 99))
+    assert inbox.get(timeout=10) == (1, ("eof",))
+    outbox.send(1, ("tick", 100))
+    outbox.send(0, ("tick", 5))
+    assert _recv(pipes[0][0]) == ("tick", 5)
+    outbox.close()
+    assert inbox.empty()
