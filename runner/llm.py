@@ -31,6 +31,7 @@ from runner.engine.core import EngineCore
 from runner.engine.embeds_staging import DeferredEmbeds
 from runner.engine.prompts import PromptProcessor, PromptType
 from runner.engine.shut_down import ShutDown
+from runner.engine.structured_outputs import GrammarCompiler
 from runner.hf_config import text_config
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
@@ -125,6 +126,7 @@ class LLM:
             uploader=self.runner.uploader,
             # prefix-cache keys hash the rows on the host: keep host tensors there
             keep_device_embeds=not config.enable_prefix_caching,
+            grammars=GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids),
         )
         self._request_counter = itertools.count()
         # Requests added with `add_request` that `step()` reports on, and those a `generate` call

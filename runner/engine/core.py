@@ -62,6 +62,7 @@ from runner.config import EngineConfig
 from runner.engine.block_manager import BlockManager
 from runner.engine.prefix_cache import PrefixCachingBlockManager
 from runner.engine.scheduler import Scheduler
+from runner.engine.token_masks import TokenMasks, constrained_rows
 from runner.multimodal.encoder_cache import EncoderFailure
 from runner.multimodal.state import MultimodalState
 from runner.outputs import RequestDelta
@@ -69,7 +70,7 @@ from runner.request import Request, RequestStatus
 from runner.step_io import SchedulerOutput
 from runner.worker.decode_window import LaunchedWindow
 from runner.worker.model_runner import ModelRunner
-from runner.worker.step_sampling import LaunchedStep
+from runner.worker.step_sampling import LaunchedStep, sample_deferred
 
 
 def _needs_host_tokens(request: Request, samples: bool) -> bool:
@@ -104,6 +105,8 @@ class EngineCore:
         )
         self.decode_window = config.decode_window
         self.async_scheduling = async_scheduling
+        # Structured outputs: the token masks of each step's constrained rows, filled on the host.
+        self.token_masks = TokenMasks(self.runner.vocab_size, config.max_num_seqs, config.device)
         self.in_flight: LaunchedStep | None = None
         # Steps launched while the previous one was still on the device (async scheduling).
         self.num_async_steps = 0
@@ -241,7 +244,10 @@ class EngineCore:
         prev = self.in_flight
         self._launch(so, prev)
         self.num_async_steps += 1
-        return self._finish(prev)
+        try:
+            return self._finish(prev)
+        finally:
+            self._sample_deferred()
 
     def _schedule_or_raise(self, *, progressed: bool = False) -> SchedulerOutput:
         """Plan a step with nothing in flight; NoProgressError when requests wait but none fits (unless
@@ -256,12 +262,25 @@ class EngineCore:
         so = self._schedule_or_raise(progressed=progressed)
         if so.num_reqs == 0:
             return []
-        self.scheduler.update(so, self.runner.execute(so))
+        self.scheduler.update(so, self.runner.execute(so, self.token_masks.fill(so)))
         return so.requests
 
     def _launch(self, so: SchedulerOutput, prev: LaunchedStep | None = None) -> None:
-        self.in_flight = self.runner.launch(so, prev)
+        """Launch `so` (behind `prev`, still in flight). A constrained request whose last token `prev`
+        samples has no token mask yet: the step's sampling is then deferred to `_sample_deferred`, once
+        `prev` is read, while this step's forward runs."""
+        defer = prev is not None and any(q.num_pending_outputs for _, q in constrained_rows(so))
+        mask = None if defer else self.token_masks.fill(so)
+        self.in_flight = self.runner.launch(so, prev, token_mask=mask, defer_sampling=defer)
         self.scheduler.mark_launched(so)
+
+    def _sample_deferred(self) -> None:
+        """Sample the step in flight if its sampling was deferred: its constrained requests' matchers
+        have read their previous tokens now. Runs before anything else is launched."""
+        step = self.in_flight
+        if step is not None and step.awaits_sampling:
+            mask = self.token_masks.fill(step.so)
+            sample_deferred(self.runner.sampler, step, self.runner.eos_token_ids, mask)
 
     def _finish(self, step: LaunchedStep) -> list[Request]:
         self.scheduler.finish_step(step.so, self.runner.finish(step))
