@@ -189,10 +189,10 @@ class Scheduler:
 
         Only when nothing waits for admission and every request of the window (`window_requests`)
         decodes greedily with no penalties, logprobs, pending min_tokens or grammar (structured
-        outputs: each token's mask needs the matcher to have read the token before it). The window never reaches
-        past any request's context (`max_model_len`), nor past the step at which every request has
-        reached its max_tokens. A request that stops inside the window (EOS, stop ids or strings,
-        max_tokens) wastes the rest of it on its own KV blocks, and its later tokens are dropped.
+        outputs: each token's mask needs the matcher to have read the token before it). The window
+        never reaches past any request's context (`max_model_len`), nor past the step at which every
+        request has reached its max_tokens. A request that stops inside the window (EOS, stop ids or
+        strings, max_tokens) wastes the rest of it on its own KV blocks, and its later tokens are dropped.
         Tokens of a window still in flight count as produced (`num_pending_outputs`), so the next
         window can be planned before they are read.
         """
