@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,13 @@ _XGRAMMAR_HINT = "structured outputs need xgrammar: pip install 'bridge[structur
 # xgrammar's C++ errors start with a time stamp and a source location, which say nothing to a caller.
 _LOCATION = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 _MAX_MESSAGE = 300
+# xgrammar (0.2) writes a string with minLength/maxLength as a repetition of this class, which lets raw
+# control characters U+0000-U+001F (CR and LF aside) into the string: invalid JSON (upstream issue 800).
+# The grammar's text is rewritten with them excluded, as its unbounded strings already do.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+#: compiled grammars the engine keeps at hand by source (xgrammar's own cache is behind them)
+_RECENT_GRAMMARS = 64
 
 
 def _xgrammar():
@@ -83,21 +91,41 @@ def _field(params: StructuredOutputsParams) -> str:
     return f"structured_outputs.{params.kind}"
 
 
+def json_schema_grammar(xgr: Any, schema: str, any_whitespace: bool) -> Any:
+    """xgrammar's grammar of a JSON schema, with length-bounded strings kept to valid JSON characters."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR in text:
+        grammar = xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    return grammar
+
+
+def _grammar_source(xgr: Any, params: StructuredOutputsParams) -> Any:
+    """What the compiler reads for `params`: a Grammar (JSON, choice, EBNF) or a regex / Lark text."""
+    kind = params.kind
+    any_whitespace = not params.disable_any_whitespace
+    if kind == "json":
+        return json_schema_grammar(xgr, params.json_text, any_whitespace)
+    if kind == "json_object":
+        return json_schema_grammar(xgr, '{"type": "object"}', any_whitespace)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_grammar(params.choice))
+    if kind == "grammar" and not _is_lark(params.grammar):
+        return xgr.Grammar.from_ebnf(params.grammar)
+    return params.regex if kind == "regex" else params.grammar
+
+
 def check_structured_outputs(params: StructuredOutputsParams, where: str | None = None) -> None:
     """Convert `params`' constraint to an xgrammar grammar without a tokenizer; a `ValueError` naming
     `where` (default: the field) when it cannot be (an invalid schema, regex or grammar)."""
     xgr = _xgrammar()
     where = where or _field(params)
-    kind = params.kind
     try:
-        if kind == "json":
-            xgr.Grammar.from_json_schema(params.json_text, any_whitespace=not params.disable_any_whitespace)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(params.regex)
-        elif kind == "choice":
-            xgr.Grammar.from_ebnf(choice_grammar(params.choice))
-        elif kind == "grammar":
-            (xgr.Grammar.from_lark if _is_lark(params.grammar) else xgr.Grammar.from_ebnf)(params.grammar)
+        source = _grammar_source(xgr, params)
+        if params.kind == "regex":
+            xgr.Grammar.from_regex(source)
+        elif isinstance(source, str):
+            xgr.Grammar.from_lark(source)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"{where}: {_message(exc)}") from None
 
@@ -140,7 +168,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler = None
-        self.num_compiles = 0  # calls, cache hits included
+        self._recent: OrderedDict[tuple, Any] = OrderedDict()  # source -> compiled, least recent first
+        self.num_compiles = 0  # grammars compiled (or found in xgrammar's cache), not counting _recent hits
 
     def _build(self):
         xgr = _xgrammar()
@@ -174,24 +203,29 @@ class GrammarCompiler:
         """The compiled grammar of `params` (shared by every request with the same constraint); a
         `ValueError` prefixed with `where` naming the field when it does not compile."""
         compiler = self._compiler or self._build()
-        self.num_compiles += 1
         kind = params.kind
+        key = (kind, params.json_text if kind == "json" else repr(getattr(params, kind)),
+               params.disable_any_whitespace)
+        compiled = self._recent.get(key)
+        if compiled is not None:
+            self._recent.move_to_end(key)
+            return compiled
+        xgr = _xgrammar()
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(params.json_text,
-                                                    any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}',
-                                                    any_whitespace=not params.disable_any_whitespace)
+            source = _grammar_source(xgr, params)
             if kind == "regex":
-                return compiler.compile_regex(params.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(params.choice))
-            if _is_lark(params.grammar):
-                return compiler.compile_lark(params.grammar)
-            return compiler.compile_grammar(params.grammar)
+                compiled = compiler.compile_regex(source)
+            elif isinstance(source, str):
+                compiled = compiler.compile_lark(source)
+            else:
+                compiled = compiler.compile_grammar(source)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"{where}{_field(params)}: {_message(exc)}") from None
+        self.num_compiles += 1
+        self._recent[key] = compiled
+        if len(self._recent) > _RECENT_GRAMMARS:
+            self._recent.popitem(last=False)
+        return compiled
 
     def request_grammar(self, compiled: Any, eos_token_ids: Sequence[int]) -> RequestGrammar:
         """A fresh matcher over `compiled` for one request that `eos_token_ids` end. Without EOS ids
@@ -214,4 +248,4 @@ def _special_ids(tokenizer: Any) -> set[int]:
 
 
 __all__ = ["GRAMMAR_CACHE_BYTES", "GrammarCompiler", "RequestGrammar", "check_structured_outputs",
-           "choice_grammar"]
+           "choice_grammar", "json_schema_grammar"]
