@@ -80,7 +80,8 @@ def cases() -> list[tuple[str, StructuredOutputsParams, Callable[[str], bool]]]:
         out.append((f"json{k}", StructuredOutputsParams(json=schema, disable_any_whitespace=compact),
                     _json_check(schema)))
     for k, rx in enumerate(_REGEXES):
-        out.append((f"regex{k}", StructuredOutputsParams(regex=rx), lambda t, rx=rx: re.fullmatch(rx, t) is not None))
+        out.append((f"regex{k}", StructuredOutputsParams(regex=rx),
+                    lambda t, rx=rx: re.fullmatch(rx, t) is not None))
     for k, options in enumerate(_CHOICES):
         out.append((f"choice{k}", StructuredOutputsParams(choice=options), lambda t, o=options: t in o))
     for k, (grammar, rx) in enumerate(_GRAMMARS):
@@ -101,7 +102,8 @@ def prompt_of(kind: str, j: int, hidden: int, *, dtype: torch.dtype = torch.floa
     return {"prompt": "answer <embeds> now", "multi_modal_data": {"prompt_embeds": [rows]}}
 
 
-def run_suite(llm, kinds: tuple[str, ...], per_case: int, *, seed0: int = 0, dtype: torch.dtype = torch.float32):
+def run_suite(llm, kinds: tuple[str, ...], per_case: int, *, seed0: int = 0,
+              dtype: torch.dtype = torch.float32):
     """Generate `per_case` outputs per case (prompt kinds in turn, temperature 1, a seed each) in one
     `generate` call; returns [(case name, kind, output)]."""
     prompts, params, meta = [], [], []
@@ -110,8 +112,8 @@ def run_suite(llm, kinds: tuple[str, ...], per_case: int, *, seed0: int = 0, dty
         for j in range(per_case):
             kind = kinds[j % len(kinds)]
             prompts.append(prompt_of(kind, c * per_case + j, hidden, dtype=dtype))
-            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed0 + c * per_case + j,
-                                         structured_outputs=so))
+            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0,
+                                         seed=seed0 + c * per_case + j, structured_outputs=so))
             meta.append((name, kind))
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(name, kind, o.outputs[0]) for (name, kind), o in zip(meta, outs)]

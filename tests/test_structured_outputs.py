@@ -93,7 +93,8 @@ def _mixed_batch(llm, n: int = 12) -> tuple[list, list]:
                    StructuredOutputsParams(choice=["cat", "dog", "bird"]), None]
     for j in range(n):
         ids = torch.randint(20, 250, (4 + j,), generator=g).tolist()
-        prompts.append({"prompt_token_ids": ids} if j % 2 else {"prompt_embeds": torch.randn(4 + j, 64, generator=g)})
+        embeds = torch.randn(4 + j, 64, generator=g)
+        prompts.append({"prompt_token_ids": ids} if j % 2 else {"prompt_embeds": embeds})
         so = constraints[j % len(constraints)]
         params.append(SamplingParams(max_tokens=24, temperature=0.0 if j % 3 == 0 else 1.0, seed=j,
                                      structured_outputs=so, ignore_eos=so is None))
@@ -184,7 +185,8 @@ def test_eos_only_when_the_grammar_allows_it_and_the_grammar_ends_even_with_igno
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize(("so", "field"), [
     (StructuredOutputsParams(json={"type": "objectx"}), "structured_outputs.json"),
-    (StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}), "structured_outputs.json"),
+    (StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 1}),
+     "structured_outputs.json"),
     (StructuredOutputsParams(regex="a(b"), "structured_outputs.regex"),
     (StructuredOutputsParams(grammar="root ::= undefined_rule"), "structured_outputs.grammar"),
     (StructuredOutputsParams(grammar="start: UNDEFINED"), "structured_outputs.grammar"),
@@ -233,10 +235,9 @@ def test_json_object_gives_an_object(llm):
     checked unless it finished."""
     import json
 
+    so = {"json_object": True, "disable_any_whitespace": True}
     outs = llm.generate([{"prompt_token_ids": [60 + j]} for j in range(8)],
-                        [SamplingParams(max_tokens=40, seed=j, structured_outputs={"json_object": True,
-                                                                                 "disable_any_whitespace": True})
-                         for j in range(8)])
+                        [SamplingParams(max_tokens=40, seed=j, structured_outputs=so) for j in range(8)])
     for out in outs:
         comp = out.outputs[0]
         assert comp.text.startswith("{")
