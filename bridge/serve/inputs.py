@@ -21,9 +21,10 @@ from bridge.serve.errors import ApiError
 from bridge.serve.ingest import DecodedEmbeds
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.protocol import ChatCompletionRequest, CompletionRequest
+from bridge.serve.structured import structured_outputs
 from bridge.wire import load_prompt_embeds
 from encoders.media_budget import MediaLimits
-from runner.sampling_params import SamplingParams
+from runner.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 EMBEDS_FLAG_MESSAGE = ("prompt_embeds are disabled on this server; start it with --enable-prompt-embeds "
@@ -87,8 +88,9 @@ def check_text(text: str, where: str) -> str:
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None,
-                    seed: int | None) -> SamplingParams:
-    """The engine's params for one sample of `body` (ValueError from SamplingParams -> 400)."""
+                    seed: int | None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The engine's params for one sample of `body` (ValueError from SamplingParams -> 400);
+    `structured`: its checked output constraint (`bridge.serve.structured`)."""
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -98,6 +100,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_toke
             logprobs=logprobs, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=structured,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
@@ -114,7 +117,9 @@ def samples_params(body: CompletionRequest | ChatCompletionRequest, *, max_token
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise ApiError(400, f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", param="logprobs")
     seeds = [None if body.seed is None else body.seed + j for j in range(body.n)]
-    return [sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, seed=s) for s in seeds]
+    structured = structured_outputs(body)
+    return [sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, seed=s, structured=structured)
+            for s in seeds]
 
 
 def decode_embeds(payload: str, *, where: str, hidden_size: int, max_model_len: int,

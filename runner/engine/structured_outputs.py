@@ -39,8 +39,11 @@ _MAX_MESSAGE = 300
 # The grammar's text is rewritten with them excluded, as its unbounded strings already do.
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
-#: compiled grammars the engine keeps at hand by source (xgrammar's own cache is behind them)
+#: compiled grammars the engine keeps at hand by source (xgrammar's own cache is behind them), and
+#: constraints `check_structured_outputs` found valid (a server checks every request's)
 _RECENT_GRAMMARS = 64
+_RECENT_CHECKS = 256
+_checked: OrderedDict[tuple, None] = OrderedDict()
 
 
 def _xgrammar():
@@ -100,6 +103,13 @@ def json_schema_grammar(xgr: Any, schema: str, any_whitespace: bool) -> Any:
     return grammar
 
 
+def _source_key(params: StructuredOutputsParams) -> tuple:
+    """What a constraint's grammar depends on, as a dictionary key."""
+    kind = params.kind
+    return (kind, params.json_text if kind == "json" else repr(getattr(params, kind)),
+            params.disable_any_whitespace)
+
+
 def _grammar_source(xgr: Any, params: StructuredOutputsParams) -> Any:
     """What the compiler reads for `params`: a Grammar (JSON, choice, EBNF) or a regex / Lark text."""
     kind = params.kind
@@ -118,6 +128,10 @@ def _grammar_source(xgr: Any, params: StructuredOutputsParams) -> Any:
 def check_structured_outputs(params: StructuredOutputsParams, where: str | None = None) -> None:
     """Convert `params`' constraint to an xgrammar grammar without a tokenizer; a `ValueError` naming
     `where` (default: the field) when it cannot be (an invalid schema, regex or grammar)."""
+    key = _source_key(params)
+    if key in _checked:
+        _checked.move_to_end(key)
+        return
     xgr = _xgrammar()
     where = where or _field(params)
     try:
@@ -128,6 +142,9 @@ def check_structured_outputs(params: StructuredOutputsParams, where: str | None 
             xgr.Grammar.from_lark(source)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"{where}: {_message(exc)}") from None
+    _checked[key] = None
+    if len(_checked) > _RECENT_CHECKS:
+        _checked.popitem(last=False)
 
 
 class RequestGrammar:
@@ -204,8 +221,7 @@ class GrammarCompiler:
         `ValueError` prefixed with `where` naming the field when it does not compile."""
         compiler = self._compiler or self._build()
         kind = params.kind
-        key = (kind, params.json_text if kind == "json" else repr(getattr(params, kind)),
-               params.disable_any_whitespace)
+        key = _source_key(params)
         compiled = self._recent.get(key)
         if compiled is not None:
             self._recent.move_to_end(key)
