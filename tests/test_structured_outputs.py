@@ -273,3 +273,17 @@ def test_token_mask_matches_xgrammar():
 def test_choice_grammar_escapes():
     assert choice_grammar(['a"b', "c\\d", "e\nf"]) == 'root ::= "a\\"b" | "c\\\\d" | "e\\nf"'
     assert MAX_TOKENS >= 64
+
+
+def test_threaded_mask_fill_equals_the_loop(llm, monkeypatch):
+    """Many constrained rows on a machine with cores to spare: xgrammar's threaded batch fill, the same
+    tokens as the one-by-one fill."""
+    masks = llm.core.token_masks
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    prompts = [{"prompt_token_ids": [70 + j, 71]} for j in range(12)]
+    params = [SamplingParams(max_tokens=32, seed=j, structured_outputs=so) for j in range(12)]
+    monkeypatch.setattr(masks, "_threads", 1)
+    loop = _tokens(llm, prompts, params)
+    monkeypatch.setattr(masks, "_threads", 2)
+    assert _tokens(llm, prompts, params) == loop
+    assert masks._batch is not None

@@ -13,6 +13,7 @@ so the upload that read a buffer last has run.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -20,9 +21,16 @@ import torch
 from runner.request import Request
 from runner.step_io import SchedulerOutput, StepTokenMask
 
-# Below this many constrained rows the matchers are filled one by one: xgrammar's threaded batch fill
-# costs a hand-off that only pays for itself over several rows.
-_BATCH_FILL_MIN_ROWS = 4
+# Below this many constrained rows, or with fewer than this many cores for its threads, the matchers are
+# filled one by one: xgrammar's threaded batch fill costs a hand-off that pays only over several rows
+# and several cores (on two cores it lost to the plain loop).
+_BATCH_FILL_MIN_ROWS = 8
+_BATCH_FILL_MIN_THREADS = 2
+
+
+def _fill_threads() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(8, cores // 2)
 
 
 def constrained_rows(so: SchedulerOutput) -> list[tuple[int, Request]]:
@@ -47,6 +55,7 @@ class TokenMasks:
         self._buffers: list[torch.Tensor] | None = None  # allocated on the first constrained step
         self._turn = 0
         self._batch: Any = None
+        self._threads = _fill_threads()
         self.num_filled_rows = 0
 
     def _next_buffer(self) -> torch.Tensor:
@@ -65,7 +74,7 @@ class TokenMasks:
         n = len(rows)
         bitmask = self._next_buffer()[:n]
         matchers = [req.grammar.matcher for _, req in rows]
-        if n < _BATCH_FILL_MIN_ROWS:
+        if n < _BATCH_FILL_MIN_ROWS or self._threads < _BATCH_FILL_MIN_THREADS:
             for k, matcher in enumerate(matchers):
                 matcher.fill_next_token_bitmask(bitmask, k)
         else:
@@ -73,7 +82,7 @@ class TokenMasks:
                 # only engines that met a constrained request get here (see structured_outputs)
                 import xgrammar
 
-                self._batch = xgrammar.BatchGrammarMatcher()
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads=self._threads)
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         self.num_filled_rows += n
         return StepTokenMask(bitmask, [j for j, _ in rows])
