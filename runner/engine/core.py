@@ -22,8 +22,13 @@ is discarded (`Scheduler.finish_step` skips finished requests) and its blocks an
 once; what step n+1 still writes into them is ordered before any later use on the device stream.
 A request whose pending tokens end it by length anyway is not planned again. A request sampling
 with penalties needs every output id on the host, so while its last token is pending it sits the
-overlapped step out. The core drains, then plans synchronously, when overlapping needs the
-tokens' values: a preemption or nothing plannable. When a decode window can follow the step in
+overlapped step out. A constrained request (structured outputs) does not: its token mask needs the
+token in flight, so the step is launched with its sampling deferred, and once step n is finished (its
+tokens read into the matchers) the masks are filled and the step sampled, before `step()` returns and
+before anything else is launched (`_sample_deferred`); its forward has run meanwhile. Constrained
+requests never ride a decode window (each token's mask needs the one before it on the host). The core
+drains, then plans synchronously, when overlapping needs the tokens' values: a preemption or nothing
+plannable. When a decode window can follow the step in
 flight, it is launched behind that step (its first input ids copied on the device from the step's
 sampled ids, as for a step), and then the step is finished.
 
