@@ -184,6 +184,8 @@ class LLM:
         self._eos_token_ids = list(ids)
         if getattr(self, "processor", None) is not None:
             self.processor.eos_token_ids = frozenset(int(i) for i in ids)
+            if self.processor.grammars is not None:
+                self.processor.grammars.set_eos_token_ids(self._eos_token_ids)
 
     # ----------------------------------------------------------------------------- settings
     @property

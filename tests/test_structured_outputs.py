@@ -287,3 +287,20 @@ def test_threaded_mask_fill_equals_the_loop(llm, monkeypatch):
     monkeypatch.setattr(masks, "_threads", 2)
     assert _tokens(llm, prompts, params) == loop
     assert masks._batch is not None
+
+
+def test_changed_eos_ids_end_constrained_outputs(model_dir):
+    """`llm.eos_token_ids = ...` (a chat model's end-of-turn id, say): the grammar's end is then that id."""
+    engine = LLM(model_dir, **OPTIONS)
+    try:
+        new_eos = engine.tokenizer.convert_tokens_to_ids("<pad>")
+        engine.eos_token_ids = [new_eos]
+        so = StructuredOutputsParams(choice=["yes", "no"])
+        params = [SamplingParams(max_tokens=12, seed=j, structured_outputs=so) for j in range(6)]
+        outs = engine.generate([{"prompt_token_ids": [80 + j]} for j in range(6)], params)
+        for out in outs:
+            comp = out.outputs[0]
+            assert comp.text in ("yes", "no") and comp.finish_reason == "stop"
+            assert comp.token_ids[-1] == new_eos
+    finally:
+        engine.shutdown()

@@ -188,6 +188,14 @@ class GrammarCompiler:
         self._recent: OrderedDict[tuple, Any] = OrderedDict()  # source -> compiled, least recent first
         self.num_compiles = 0  # grammars compiled (or found in xgrammar's cache), not counting _recent hits
 
+    def set_eos_token_ids(self, eos_token_ids: Sequence[int]) -> None:
+        """The engine's EOS ids changed: the vocabulary is built again (with them as its stop tokens)
+        at the next compile."""
+        if sorted(set(eos_token_ids)) != sorted(set(self.eos_token_ids)):
+            self.eos_token_ids = list(eos_token_ids)
+            self._compiler = None
+            self._recent.clear()
+
     def _build(self):
         xgr = _xgrammar()
         if self.tokenizer is None:
