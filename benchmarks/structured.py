@@ -132,7 +132,7 @@ def run_side(llm: LLM, side: str, prompts: list[dict], max_tokens: int, device, 
     llm.decode_window = 1 if side == "free_single_steps" else window
     core, runner = llm.core, llm.runner
     before = (runner.num_forward_steps, runner.num_decode_windows, core.num_async_steps, timer.seconds,
-              timer.calls)
+              timer.calls, core.num_deferred_samples)
     sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -144,6 +144,7 @@ def run_side(llm: LLM, side: str, prompts: list[dict], max_tokens: int, device, 
             "decode_windows": runner.num_decode_windows - before[1],
             "async_steps": core.num_async_steps - before[2],
             "mask_fill_seconds": timer.seconds - before[3], "mask_fills": timer.calls - before[4],
+            "deferred_samples": core.num_deferred_samples - before[5],
             "finish_reasons": dict(collections.Counter(o.outputs[0].finish_reason for o in outs)),
             "texts": [o.outputs[0].text for o in outs[:2]]}
 
@@ -183,7 +184,8 @@ def main(argv=None) -> int:
             res = run_side(llm, side, prompts, max_tokens, device, timer, window)
             label = "warm-up" if rep == 0 else f"run {rep}"
             log(f"{side} ({label}): {res['tok_s']:.0f} tok/s, {res['steps']} steps, "
-                f"{res['decode_windows']} windows, {res['async_steps']} async, mask fill "
+                f"{res['decode_windows']} windows, {res['async_steps']} async "
+                f"({res['deferred_samples']} sampled deferred), mask fill "
                 f"{res['mask_fill_seconds'] * 1e3:.1f} ms over {res['mask_fills']} fills, "
                 f"{res['finish_reasons']}")
             if rep:

@@ -111,13 +111,15 @@ def test_async_sync_windows_and_graphs_give_the_same_tokens(llm, model_dir):
     constrained request never rides a window, an unconstrained batch still does; unconstrained requests
     get the tokens they get alone (the masks land on their own rows only)."""
     prompts, params = _mixed_batch(llm)
+    deferred = llm.core.num_deferred_samples
     want = _tokens(llm, prompts, params)
+    assert llm.core.num_deferred_samples > deferred  # async steps sampled once their masks were filled
     sync = LLM(model_dir, async_scheduling=False, **OPTIONS)
     graphed = LLM(model_dir, async_scheduling=True, decode_window=4,
                   **{**OPTIONS, "max_num_seqs": 16, "max_num_batched_tokens": 128})  # few buckets
     graphed.runner.capture_cuda_graphs(emulate=True)
     try:
-        assert _tokens(sync, prompts, params) == want
+        assert _tokens(sync, prompts, params) == want and sync.core.num_deferred_samples == 0
         windows = graphed.runner.num_decode_windows
         replays = graphed.runner.num_graph_replays
         assert _tokens(graphed, prompts, params) == want

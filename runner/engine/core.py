@@ -110,8 +110,10 @@ class EngineCore:
         )
         self.decode_window = config.decode_window
         self.async_scheduling = async_scheduling
-        # Structured outputs: the token masks of each step's constrained rows, filled on the host.
+        # Structured outputs: the token masks of each step's constrained rows, filled on the host, and how
+        # many steps sampled only once the step before them was read (`_sample_deferred`).
         self.token_masks = TokenMasks(self.runner.vocab_size, config.max_num_seqs, config.device)
+        self.num_deferred_samples = 0
         self.in_flight: LaunchedStep | None = None
         # Steps launched while the previous one was still on the device (async scheduling).
         self.num_async_steps = 0
@@ -284,6 +286,7 @@ class EngineCore:
         have read their previous tokens now. Runs before anything else is launched."""
         step = self.in_flight
         if step is not None and step.awaits_sampling:
+            self.num_deferred_samples += 1
             mask = self.token_masks.fill(step.so)
             sample_deferred(self.runner.sampler, step, self.runner.eos_token_ids, mask)
 
