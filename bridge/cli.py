@@ -3,7 +3,8 @@
     bridge train RECIPE [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge demo {shapes,tones,graphs} [--output-dir DIR] [--nproc N] [--force] [key.sub=value ...]
     bridge defaults [RECIPE]             # every recipe key with its default, and the registered parts
-    bridge eval RUN [--backend URL] [--batch-invariant] [--no-verify]  # score a run's newest checkpoint
+    bridge eval RUN [--backend URL] [--batch-invariant] [--structured-outputs JSON] [--no-verify]
+                                         # score a run's newest checkpoint
     bridge serve PATH [--port N] [--no-verify] [...]  # OpenAI-compatible server (`serve` extra)
 
 A checkpoint is checked against its manifest.json before `eval` or `serve` reads it (`--no-verify`
@@ -78,6 +79,9 @@ def _parser(serve_arguments: Any = None) -> argparse.ArgumentParser:
                     help="generate on this vLLM-compatible server (http://host:8000) instead of in-process")
     ev.add_argument("--num-items", type=int, default=None, help="held-out items (default: the recipe's)")
     ev.add_argument("--max-tokens", type=int, default=None, help="max new tokens (default: the recipe's)")
+    ev.add_argument("--structured-outputs", default=None, metavar="JSON",
+                    help='constrain the answers, e.g. \'{"choice": ["cat", "dog"]}\' (default: the recipe\'s '
+                         "eval.structured_outputs)")
     ev.add_argument("--device", default=None, help="where the encoders (and a local LLM) run")
     ev.add_argument("--output", default=None, help="write the full report (with samples) to this JSON file")
     ev.add_argument("--no-verify", action="store_true",
@@ -111,8 +115,9 @@ def _eval(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"bridge: eval: {str(exc)[:1000]}", file=sys.stderr)
             return 2
-    overrides = [f"eval.{k}={v}" for k, v in (("num_items", args.num_items), ("max_tokens", args.max_tokens),
-                                               ("backend", args.backend)) if v is not None]
+    given = (("num_items", args.num_items), ("max_tokens", args.max_tokens), ("backend", args.backend),
+             ("structured_outputs", args.structured_outputs))
+    overrides = [f"eval.{k}={v}" for k, v in given if v is not None]
     if args.batch_invariant:
         overrides.append("eval.batch_invariant=true")
     try:

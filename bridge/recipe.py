@@ -404,6 +404,14 @@ SCHEMA: dict[str, Any] = {
             "(batch size, chunking); slower. Items' media are encoded one per call.",
             (bool,),
         ),
+        "structured_outputs": Field(
+            None,
+            "Constrain the eval's generations (vLLM's StructuredOutputsParams): {choice: [cat, dog]}, "
+            "{json: {...schema...}}, {regex: ...} or {grammar: ...}; answers are then scored parsed "
+            "(a JSON answer as JSON), and eval.json adds `valid`, the fraction of complete answers.",
+            (dict, type(None)),
+            free_form=True,
+        ),
         "backend": Field(
             None,
             "null: evaluate in-process. An http(s):// URL: generate on that vLLM-compatible server "
@@ -743,12 +751,34 @@ def _check_semantics(r: Node, problems: list[str]) -> None:
     if r.eval.backend is not None and (not isinstance(r.eval.backend, str)
                                        or not r.eval.backend.startswith(("http://", "https://"))):
         problems.append(f"eval.backend: expected null or an http(s):// URL, got {_show(r.eval.backend)}")
+    if isinstance(r.eval.structured_outputs, Mapping):
+        problems.extend(_structured_outputs_problems(r.eval.structured_outputs))
     if r.stage == "align" and (r.train.trainable.llm or r.train.lora.enabled):
         problems.append("stage align keeps the LLM frozen: use stage finetune to train the LLM or LoRA")
     targets = r.train.lora.targets
     if not (isinstance(targets, str)
             or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
         problems.append(f"train.lora.targets: expected module names, got {_show(targets)}")
+
+
+def _structured_outputs_problems(value: Mapping) -> list[str]:
+    """`eval.structured_outputs`: its fields, then its schema, regex or grammar (converted the way the
+    engine compiles it, without a tokenizer)."""
+    from runner.engine.structured_outputs import check_structured_outputs  # here: the CLI's fast paths
+    from runner.sampling_params import StructuredOutputsParams
+
+    where = "eval.structured_outputs"
+    known = set(StructuredOutputsParams.__dataclass_fields__)
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown:
+        return [f"unknown key '{where}.{_clip(unknown[0], 60)}'; valid: {', '.join(sorted(known))}"]
+    try:
+        params = StructuredOutputsParams(**value)
+        check_structured_outputs(params)
+    except ValueError as exc:
+        return [f"eval.{_clip(str(exc), 300)}" if str(exc).startswith("structured_outputs")
+                else f"{where}: {_clip(str(exc), 300)}"]
+    return []
 
 
 def _import_user_modules(r: Node, base_dir: Path | None, problems: list[str]) -> None:

@@ -35,6 +35,7 @@ _EXPORTS = {
     "RequestDelta": "runner.outputs",
     "RequestOutput": "runner.outputs",
     "SamplingParams": "runner.sampling_params",
+    "StructuredOutputsParams": "runner.sampling_params",
     "InputsEmbedsBuilder": "runner.worker.inputs_embeds",
     "assemble_inputs_embeds": "runner.worker.inputs_embeds",
     "ModelState": "runner.worker.model_states",

@@ -31,6 +31,7 @@ from runner.engine.core import EngineCore
 from runner.engine.embeds_staging import DeferredEmbeds
 from runner.engine.prompts import PromptProcessor, PromptType
 from runner.engine.shut_down import ShutDown
+from runner.engine.structured_outputs import GrammarCompiler
 from runner.hf_config import load_tokenizer, text_config
 from runner.multimodal.encoder_cache import EncoderCache
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY, EncoderProtocol
@@ -117,6 +118,7 @@ class LLM:
             uploader=self.runner.uploader,
             # prefix-cache keys hash the rows on the host: keep host tensors there
             keep_device_embeds=not config.enable_prefix_caching,
+            grammars=GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids),
         )
         self._request_counter = itertools.count()
         # Requests added with `add_request` that `step()` reports on, and those a `generate` call
@@ -174,6 +176,8 @@ class LLM:
         self._eos_token_ids = list(ids)
         if getattr(self, "processor", None) is not None:
             self.processor.eos_token_ids = frozenset(int(i) for i in ids)
+            if self.processor.grammars is not None:
+                self.processor.grammars.set_eos_token_ids(self._eos_token_ids)
 
     # ----------------------------------------------------------------------------- settings
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -38,6 +39,18 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_ABORTED,
             RequestStatus.FINISHED_ERROR,
         )
+
+
+class TokenGrammar(Protocol):
+    """A request's structured-outputs state as the request sees it (`runner.engine.structured_outputs`):
+    it accepts each output token in order and says when the grammar has ended; a token it refused is
+    kept in `rejected_token`."""
+
+    rejected_token: int | None
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
 
 
 def fast_decode(tokenizer) -> Callable[..., str]:
@@ -146,6 +159,9 @@ class Request:
     # The caller may still stream input into it (`LLM.append_input`) until it closes it: the engine
     # then never decodes it past what the caller has seen (`EngineCore`, lockstep steps).
     input_open: bool = False
+    # Structured outputs: the grammar's state after the output tokens (None: unconstrained). Its steps
+    # sample through a token mask, never in a decode window (`Scheduler.decode_window_size`).
+    grammar: TokenGrammar | None = None
     _real_prompt_ids: list[int] | None = field(default=None, repr=False)
     # Async scheduling (runner.engine.async_loop): tokens sampled on the device whose values the host has
     # not read yet. The scheduler plans the next step as if they were known (they count in
@@ -234,6 +250,8 @@ class Request:
                             top_logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.num_tokens += 1
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)
         if self.logprobs is not None:
             entry = dict(top_logprobs) if top_logprobs else {}
             if logprob is not None:
@@ -248,7 +266,9 @@ class Request:
         the text unless `include_stop_str_in_output` (the tokens that produced it stay).
         `min_tokens` suppresses every stop but the length limit. Unless a stop string ended it, a
         finished request's streamed text gets its held-back tail, so it equals the one-shot decode of
-        its tokens.
+        its tokens. A request with a grammar stops when the grammar has ended (after EOS, even with
+        `ignore_eos`), and fails if its grammar refused a token (the token mask should make that
+        impossible).
         """
         done = self._check_stop()
         if done and self.detokenizer is not None and not isinstance(self.stop_reason, str):
@@ -263,6 +283,15 @@ class Request:
             new_text = self.detokenizer.step(self.output_token_ids)
         else:
             new_text = ""
+        grammar = self.grammar
+        if grammar is not None:
+            if grammar.rejected_token is not None:
+                self.status = RequestStatus.FINISHED_ERROR
+                self.error = f"structured outputs: the grammar refused sampled token {grammar.rejected_token}"
+                return True
+            if grammar.is_terminated():
+                self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                return True
         if n_out >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, None

@@ -6,8 +6,12 @@ A module of its own so that both sides import it and neither imports the other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runner.request import Request
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -63,4 +67,15 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] | None = None
 
 
-__all__ = ["SchedulerOutput", "StepResult"]
+@dataclass
+class StepTokenMask:
+    """The token masks of a step's constrained rows (structured outputs): `bitmask[k]` says which tokens
+    logits row `rows[k]` (an index among the step's sampled rows) may take, packed as xgrammar packs it:
+    bit b of int32 word w allows token 32 * w + b. A host tensor (pinned on a GPU), read once by the
+    step's upload."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
+__all__ = ["SchedulerOutput", "StepResult", "StepTokenMask"]

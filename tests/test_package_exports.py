@@ -6,8 +6,8 @@ import runner
 
 
 def test_runner_exports():
-    for name in ["LLM", "SamplingParams", "RequestOutput", "resolve_model_state_cls",
-                 "PromptEmbedsState", "EncoderCache"]:
+    for name in ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+                 "resolve_model_state_cls", "PromptEmbedsState", "EncoderCache"]:
         assert hasattr(runner, name), name
         assert name in runner.__all__
 

@@ -47,6 +47,8 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
     if params.logprobs is not None:
         fields["logprobs"] = params.logprobs
         fields["return_tokens_as_token_ids"] = True
+    if params.structured_outputs is not None:  # vLLM's field (>= 0.10.2), bridge serve's too
+        fields["structured_outputs"] = params.structured_outputs.to_dict()
     return fields
 
 

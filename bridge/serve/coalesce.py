@@ -7,8 +7,9 @@ JSON body, a socket write and a parse in the client (the official `openai` clien
 object per event), for tokens the client then gets all at once anyway. Merged, the stream writes what
 is there in one event per choice, as vLLM's API server does with the outputs it finds queued.
 
-A merged delta carries the same tokens, text and logprobs in the same order, and the last delta's end
-(finished, finish_reason, stop_reason, error): the concatenated stream is unchanged.
+A merged delta carries the same tokens, text and logprobs in the same order, the first delta's prompt
+logprobs and prompt ids, and the last delta's end (finished, finish_reason, stop_reason, error): the
+concatenated stream is unchanged.
 """
 
 from __future__ import annotations
@@ -47,8 +48,13 @@ def _merge(first: RequestDelta, then: RequestDelta) -> RequestDelta:
     logprobs = None
     if first.new_logprobs is not None or then.new_logprobs is not None:
         logprobs = (first.new_logprobs or []) + (then.new_logprobs or [])
+    # what only a request's first delta carries (its prompt logprobs and expanded prompt ids) stays
     return dataclasses.replace(then, new_token_ids=first.new_token_ids + then.new_token_ids,
-                               new_text=first.new_text + then.new_text, new_logprobs=logprobs)
+                               new_text=first.new_text + then.new_text, new_logprobs=logprobs,
+                               prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None
+                               else then.prompt_logprobs,
+                               prompt_token_ids=first.prompt_token_ids if first.prompt_token_ids is not None
+                               else then.prompt_token_ids)
 
 
 __all__ = ["coalesce", "take_queued"]

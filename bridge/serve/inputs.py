@@ -22,9 +22,10 @@ from bridge.serve.errors import ApiError
 from bridge.serve.ingest import DecodedEmbeds
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.protocol import ChatCompletionRequest, CompletionRequest
+from bridge.serve.structured import structured_outputs
 from bridge.wire import load_prompt_embeds
 from encoders.media_budget import MediaLimits
-from runner.sampling_params import SamplingParams
+from runner.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 EMBEDS_FLAG_MESSAGE = ("prompt_embeds are disabled on this server; start it with --enable-prompt-embeds "
@@ -88,14 +89,16 @@ def check_text(text: str, where: str) -> str:
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None,
-                    seed: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """The engine's params for one sample of `body` (ValueError from SamplingParams -> 400)."""
+                    seed: int | None, prompt_logprobs: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The engine's params for one sample of `body` (ValueError from SamplingParams -> 400);
+    `structured`: its checked output constraint (`bridge.serve.structured`)."""
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
             seed=seed, stop=body.stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            **{name: getattr(body, name) for name in PASSTHROUGH_FIELDS},
+            structured_outputs=structured, **{name: getattr(body, name) for name in PASSTHROUGH_FIELDS},
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), param=_field_of(str(exc))) from None
@@ -135,8 +138,9 @@ def samples_params(body: CompletionRequest | ChatCompletionRequest, *, max_token
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options can only be given with stream=true", param="stream_options")
     seeds = [None if body.seed is None else body.seed + j for j in range(body.n)]
+    structured = structured_outputs(body)
     return [sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, seed=s,
-                            prompt_logprobs=prompt_logprobs) for s in seeds]
+                            prompt_logprobs=prompt_logprobs, structured=structured) for s in seeds]
 
 
 def decode_embeds(payload: str, *, where: str, hidden_size: int, max_model_len: int,

@@ -3,12 +3,14 @@
 Every request body is a model here, so `/openapi.json` describes exactly what the server accepts
 (schema-driven fuzzers read it). Field names, defaults and shapes follow OpenAI's API with vLLM's
 extensions (`prompt_embeds`, `top_k`, `min_tokens`, `repetition_penalty`, `stop_token_ids`,
-`ignore_eos`, `prompt_logprobs`, `include_stop_str_in_output`, `return_token_ids`, ...). Fields a model
-here does not declare are kept (`extra="allow"`) so that `bridge.serve.request_fields` can refuse
-vLLM's fields this server does not implement (a 400 naming the field) and log the unknown ones once
-by name, as vLLM logs the fields it ignores: nothing a client sends is dropped without a word. Values
-are range-checked again by `runner.SamplingParams`; pydantic checks types (strict: `"1"` is not an
-int, `1` is not a str).
+`ignore_eos`, `prompt_logprobs`, `include_stop_str_in_output`, `return_token_ids`,
+`structured_outputs`, `response_format`, ...). Fields a model here does not declare are kept
+(`extra="allow"`) so that `bridge.serve.request_fields` can refuse vLLM's fields this server does not
+implement (a 400 naming the field) and log the unknown ones once by name, as vLLM logs the fields it
+ignores: nothing a client sends is dropped without a word. Inside `structured_outputs` and
+`response_format` unknown keys are refused, since a misspelt constraint would silently leave the output
+unconstrained. Values are range-checked again by `runner.SamplingParams`; pydantic checks types
+(strict: `"1"` is not an int, `1` is not a str).
 """
 
 from __future__ import annotations
@@ -30,6 +32,37 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of `json` (a JSON schema), `regex`, `choice`, `grammar`
+    (EBNF or Lark), `json_object: true`."""
+
+    json_schema: dict[str, Any] | StrictStr | None = Field(default=None, alias="json",
+                                                          description="a JSON schema (object or JSON text)")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Body):
@@ -63,6 +96,8 @@ class _SamplingFields(_Body):
     add_special_tokens: StrictBool | None = Field(
         default=None, description="vLLM's: the tokenizer's special tokens (BOS) before the prompt "
         "(default: true for completions; false for chat, whose template writes its own)")
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
 
 
 TokenIds = list[StrictInt]

@@ -1,12 +1,9 @@
-"""Structured outputs: the one place a request's output constraints are decided.
+"""The request fields of structured outputs this server does not take, refused in one place.
 
-vLLM constrains decoding from `response_format` (`json_object`, `json_schema`, `structural_tag`),
-`structured_outputs` and, in older versions, the `guided_*` fields. This server has no constrained
-decoding yet, so each of those answers 400 naming the field: an answer that ignored the constraint
-would look like a valid one. `response_format: {"type": "text"}` constrains nothing and is accepted.
-
-When constrained decoding lands, `check_structured_outputs` becomes the function that turns these
-fields into the engine's constraint; nothing else in the server looks at them.
+`structured_outputs` and `response_format` are declared request fields (`bridge.serve.structured` turns
+them into the engine's constraint). vLLM's older `guided_*` fields and `structural_tag` are answered 400
+naming the field and the field to use instead: an answer that ignored the constraint would look like a
+valid one.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from bridge.serve.errors import ApiError
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                             "guided_choice", "guided_grammar", "guided_json_object",
                             "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")
-NOT_IMPLEMENTED = "structured outputs (constrained decoding) are not implemented on this server"
+NOT_IMPLEMENTED = "not taken by this server; constrain the output with structured_outputs or response_format"
 
 
 def _asks_nothing(name: str, value: Any) -> bool:

@@ -22,8 +22,13 @@ is discarded (`Scheduler.finish_step` skips finished requests) and its blocks an
 once; what step n+1 still writes into them is ordered before any later use on the device stream.
 A request whose pending tokens end it by length anyway is not planned again. A request sampling
 with penalties needs every output id on the host, so while its last token is pending it sits the
-overlapped step out. The core drains, then plans synchronously, when overlapping needs the
-tokens' values: a preemption or nothing plannable. When a decode window can follow the step in
+overlapped step out. A constrained request (structured outputs) does not: its token mask needs the
+token in flight, so the step is launched with its sampling deferred, and once step n is finished (its
+tokens read into the matchers) the masks are filled and the step sampled, before `step()` returns and
+before anything else is launched (`_sample_deferred`); its forward has run meanwhile. Constrained
+requests never ride a decode window (each token's mask needs the one before it on the host). The core
+drains, then plans synchronously, when overlapping needs the tokens' values: a preemption or nothing
+plannable. When a decode window can follow the step in
 flight, it is launched behind that step (its first input ids copied on the device from the step's
 sampled ids, as for a step), and then the step is finished.
 
@@ -62,6 +67,7 @@ from runner.config import EngineConfig
 from runner.engine.block_manager import BlockManager
 from runner.engine.prefix_cache import PrefixCachingBlockManager
 from runner.engine.scheduler import Scheduler
+from runner.engine.token_masks import TokenMasks, constrained_rows
 from runner.multimodal.encoder_cache import EncoderFailure
 from runner.multimodal.state import MultimodalState
 from runner.outputs import RequestDelta
@@ -69,7 +75,7 @@ from runner.request import Request, RequestStatus
 from runner.step_io import SchedulerOutput
 from runner.worker.decode_window import LaunchedWindow
 from runner.worker.model_runner import ModelRunner
-from runner.worker.step_sampling import LaunchedStep
+from runner.worker.step_sampling import LaunchedStep, sample_deferred
 
 
 def _needs_host_tokens(request: Request, samples: bool) -> bool:
@@ -104,6 +110,10 @@ class EngineCore:
         )
         self.decode_window = config.decode_window
         self.async_scheduling = async_scheduling
+        # Structured outputs: the token masks of each step's constrained rows, filled on the host, and how
+        # many steps sampled only once the step before them was read (`_sample_deferred`).
+        self.token_masks = TokenMasks(self.runner.vocab_size, config.max_num_seqs, config.device)
+        self.num_deferred_samples = 0
         self.in_flight: LaunchedStep | None = None
         # Steps launched while the previous one was still on the device (async scheduling).
         self.num_async_steps = 0
@@ -241,7 +251,10 @@ class EngineCore:
         prev = self.in_flight
         self._launch(so, prev)
         self.num_async_steps += 1
-        return self._finish(prev)
+        try:
+            return self._finish(prev)
+        finally:
+            self._sample_deferred()
 
     def _schedule_or_raise(self, *, progressed: bool = False) -> SchedulerOutput:
         """Plan a step with nothing in flight; NoProgressError when requests wait but none fits (unless
@@ -256,12 +269,26 @@ class EngineCore:
         so = self._schedule_or_raise(progressed=progressed)
         if so.num_reqs == 0:
             return []
-        self.scheduler.update(so, self.runner.execute(so))
+        self.scheduler.update(so, self.runner.execute(so, self.token_masks.fill(so)))
         return so.requests
 
     def _launch(self, so: SchedulerOutput, prev: LaunchedStep | None = None) -> None:
-        self.in_flight = self.runner.launch(so, prev)
+        """Launch `so` (behind `prev`, still in flight). A constrained request whose last token `prev`
+        samples has no token mask yet: the step's sampling is then deferred to `_sample_deferred`, once
+        `prev` is read, while this step's forward runs."""
+        defer = prev is not None and any(q.num_pending_outputs for _, q in constrained_rows(so))
+        mask = None if defer else self.token_masks.fill(so)
+        self.in_flight = self.runner.launch(so, prev, token_mask=mask, defer_sampling=defer)
         self.scheduler.mark_launched(so)
+
+    def _sample_deferred(self) -> None:
+        """Sample the step in flight if its sampling was deferred: its constrained requests' matchers
+        have read their previous tokens now. Runs before anything else is launched."""
+        step = self.in_flight
+        if step is not None and step.awaits_sampling:
+            self.num_deferred_samples += 1
+            mask = self.token_masks.fill(step.so)
+            sample_deferred(self.runner.sampler, step, self.runner.eos_token_ids, mask)
 
     def _finish(self, step: LaunchedStep) -> list[Request]:
         self.scheduler.finish_step(step.so, self.runner.finish(step))

@@ -24,6 +24,7 @@ from runner.engine.embeds_staging import (
     stage_or_check,
 )
 from runner.engine.parsed_prompt import ParsedPrompt
+from runner.engine.structured_outputs import GrammarCompiler
 from runner.multimodal.encoder_protocol import PROMPT_EMBEDS_MODALITY
 from runner.multimodal.placeholders import (
     PassthroughBatch,
@@ -68,6 +69,7 @@ class PromptProcessor:
         on_multimodal: Callable[[], None],
         uploader: HostUploader | None = None,
         keep_device_embeds: bool = True,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -84,6 +86,8 @@ class PromptProcessor:
         # On a GPU, embeds are checked (and kept, within a budget) on the device; off it, on the CPU.
         self.uploader = uploader if uploader is not None and uploader.cuda else None
         self.keep_device_embeds = keep_device_embeds
+        # Structured outputs: each constrained request's grammar is compiled while its call is checked.
+        self.grammars = grammars
 
     # ----------------------------------------------------------------------------- whole calls
     def process(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
@@ -160,10 +164,10 @@ class PromptProcessor:
                     refuse_not_finite(bad[k], self.dtype)
                 else:
                     stage_or_check(staged_now[k], self.dtype, self.uploader, keep=self.keep_device_embeds)
-                for i, (pp, sp) in enumerate(zip(parsed, params)):
-                    self.check_params(i, pp, sp)
-                results[c] = [self.make_request(rid, i, pp, sp, stream_text=stream_text)
-                              for i, (rid, pp, sp) in enumerate(zip(request_ids, parsed, params))]
+                grammars = [self.check_params(i, pp, sp) for i, (pp, sp) in enumerate(zip(parsed, params))]
+                results[c] = [self.make_request(rid, i, pp, sp, stream_text=stream_text, grammar=g)
+                              for i, (rid, pp, sp, g)
+                              in enumerate(zip(request_ids, parsed, params, grammars))]
             except ValueError as exc:
                 results[c] = exc
                 continue
@@ -366,7 +370,9 @@ class PromptProcessor:
         return ParsedPrompt(text, expanded.token_ids, None, mask, expanded)
 
     # ----------------------------------------------------------------------------- requests
-    def check_params(self, i: int, parsed: ParsedPrompt, params: SamplingParams) -> None:
+    def check_params(self, i: int, parsed: ParsedPrompt, params: SamplingParams) -> Any:
+        """Refuse params the prompt or the engine cannot honour; the compiled grammar of a constrained
+        request (structured outputs: a ValueError naming the field if it does not compile), else None."""
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"prompt {i}: sampling params must be SamplingParams, got {type(params).__name__}")
@@ -376,11 +382,17 @@ class PromptProcessor:
             raise ValueError(f"prompt {i}: prompt_logprobs are not available for a prompt-embeds prompt")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError(f"prompt {i}: stop strings need a tokenizer in the model directory")
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise ValueError(f"prompt {i}: structured outputs are not available in this engine")
+        return self.grammars.compile(params.structured_outputs, where=f"prompt {i}: ")
 
     def make_request(self, request_id: str, i: int, parsed: ParsedPrompt, params: SamplingParams, *,
-                     stream_text: bool = False) -> Request:
+                     stream_text: bool = False, grammar: Any = None) -> Request:
         """A request for a validated prompt. `stream_text`: keep its text up to date token by token
-        (an incremental detokenizer), for callers that stream text deltas."""
+        (an incremental detokenizer), for callers that stream text deltas. `grammar`: the compiled
+        grammar `check_params` returned (the request gets its own matcher over it)."""
         generator = None
         if params.seed is not None and not params.is_greedy:
             generator = torch.Generator(device=self.device)
@@ -395,6 +407,8 @@ class PromptProcessor:
             self.mm.set_mrope_positions(req, parsed.mm.mrope_items)
         if (params.stop_strings or stream_text) and self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if grammar is not None:
+            req.grammar = self.grammars.request_grammar(grammar, sorted(self.eos_token_ids))
         return req
 
 

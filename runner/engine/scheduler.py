@@ -188,10 +188,11 @@ class Scheduler:
         """How many greedy decode steps may run without looking at their tokens (1 = not now).
 
         Only when nothing waits for admission and every request of the window (`window_requests`)
-        decodes greedily with no penalties, logprobs or pending min_tokens. The window never reaches
-        past any request's context (`max_model_len`), nor past the step at which every request has
-        reached its max_tokens. A request that stops inside the window (EOS, stop ids or strings,
-        max_tokens) wastes the rest of it on its own KV blocks, and its later tokens are dropped.
+        decodes greedily with no penalties, logprobs, pending min_tokens or grammar (structured
+        outputs: each token's mask needs the matcher to have read the token before it). The window
+        never reaches past any request's context (`max_model_len`), nor past the step at which every
+        request has reached its max_tokens. A request that stops inside the window (EOS, stop ids or
+        strings, max_tokens) wastes the rest of it on its own KV blocks, and its later tokens are dropped.
         Tokens of a window still in flight count as produced (`num_pending_outputs`), so the next
         window can be planned before they are read.
         """
@@ -203,7 +204,8 @@ class Scheduler:
             p = r.sampling_params
             produced = r.num_output_tokens + r.num_pending_outputs
             if (r.num_tokens - r.num_computed_tokens != 1 or not p.is_greedy or p.uses_penalties
-                    or p.logprobs is not None or produced < p.min_tokens):
+                    or p.logprobs is not None or produced < p.min_tokens
+                    or r.grammar is not None):
                 return 1
             k = min(k, max_model_len - r.num_tokens)
             most_left = max(most_left, p.max_tokens - produced)

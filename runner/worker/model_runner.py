@@ -35,7 +35,7 @@ from runner.layers.logits_head import wrap_lm_head
 from runner.layers.sampler import Sampler
 from runner.multimodal.state import MultimodalState
 from runner.request import Request
-from runner.step_io import SchedulerOutput, StepResult
+from runner.step_io import SchedulerOutput, StepResult, StepTokenMask
 from runner.worker.cuda_graphs import DecodeGraphs, GraphBuckets
 from runner.worker.decode_window import (
     LaunchedWindow,
@@ -56,7 +56,7 @@ from runner.worker.prompt_logprobs import compute_prompt_logprobs, prompt_logpro
 from runner.worker.staging import StagedStep, StagingBuffers
 from runner.worker.startup_phases import StartupPhases
 from runner.worker.step_graphs import capture_step_graphs
-from runner.worker.step_sampling import LaunchedStep, sample_on_device, sampled_result
+from runner.worker.step_sampling import LaunchedStep, new_step, sample_on_device, sampled_result
 
 logger = logging.getLogger(__name__)
 
@@ -394,19 +394,19 @@ class ModelRunner:
                           plp_rows, plp_spans, mixed=mixed)
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> StepResult:
-        """Run one scheduled step and sample; the one host sync reads the sampled tokens."""
-        return self.finish(self.launch(so))
+    def execute(self, so: SchedulerOutput, token_mask: StepTokenMask | None = None) -> StepResult:
+        return self.finish(self.launch(so, token_mask=token_mask))  # one step; one host sync reads it
 
     @torch.inference_mode()
-    def launch(self, so: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, so: SchedulerOutput, prev: LaunchedStep | None = None, *,
+               token_mask: StepTokenMask | None = None, defer_sampling: bool = False) -> LaunchedStep:
         """Enqueue one step's forward and sampling on the device without waiting for them.
 
         `prev` is the step still in flight (async scheduling): a request whose last token is one
         `prev` sampled (`num_pending_outputs`) gets that token's id copied on the device from
         `prev`'s sampled ids into this step's input ids. The sampled ids (and logprobs) start
-        their copy to the host; `finish` waits for it.
-        """
+        their copy to the host; `finish` waits for it. `token_mask`: the constrained rows' masks;
+        `defer_sampling`: the forward only (`step_sampling.sample_deferred`)."""
         sd = self.stage(so)
         v, t, r, bucket, sample_rows = sd.views, sd.t, sd.r, sd.bucket, sd.sample_rows
         self.token_feed.feed(so, sd, prev)
@@ -450,7 +450,9 @@ class ModelRunner:
             logits = self.forward(embeds, positions, meta, v.logits_indices)
         self.num_forward_steps += 1
 
-        step = sample_on_device(self.sampler, so, logits[: len(sample_rows)], self.eos_token_ids)
+        step = new_step(so, logits[: len(sample_rows)] if defer_sampling else None)
+        if not defer_sampling:
+            sample_on_device(self.sampler, step, logits[: len(sample_rows)], self.eos_token_ids, token_mask)
         if sd.plp_rows:  # read in `finish` (never a graph step, so these logits are not overwritten)
             step.plp_logits, step.plp_spans = logits[len(sample_rows) :], sd.plp_spans
         return step

@@ -29,6 +29,8 @@ class PendingTokenFeed:
 
     def feed(self, so: SchedulerOutput, sd: StagedStep, prev: LaunchedStep | None) -> None:
         """Copy into `sd`'s input ids, on the device, every pending token of `so`'s requests from `prev`."""
+        if prev is not None and prev.awaits_sampling:
+            raise RuntimeError("the step in flight has not sampled yet (deferred sampling): sample it first")
         dst: list[int] = []
         src: list[int] = []
         for i, req in enumerate(so.requests):

@@ -4,6 +4,12 @@
 results to the host; `sampled_result` waits for that copy (the step's one host sync) and lays the
 tokens out per scheduled request. Between the two the host is free to plan and launch the next
 step (async scheduling).
+
+Structured outputs: a step's constrained rows come with their token masks (`StepTokenMask`), which are
+uploaded and applied to the logits before the sampler. A step whose masks cannot be filled yet (their
+previous token is still on the device) is launched with its sampling deferred: the step keeps its logits
+(`LaunchedStep.logits`) and the caller samples it once the masks are filled, before launching anything
+else, so that nothing overwrites those logits meanwhile.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.layers.sampler import Sampler, SamplingBatch
+from runner.layers.token_mask import apply_token_mask
 from runner.sampling_params import SamplingParams
-from runner.step_io import SchedulerOutput, StepResult
+from runner.step_io import SchedulerOutput, StepResult, StepTokenMask
 
 
 @dataclass
@@ -24,7 +31,8 @@ class LaunchedStep:
     `rows` are the batch rows that sampled, `sample_index` maps their request ids to positions in
     `token_ids` (the device tensor the next step's pending input ids are copied from). `host`
     holds the host copies of token ids, logprobs, top-k ids and top-k logprobs (None: nothing
-    sampled), complete once `event` (CUDA only) has fired.
+    sampled), complete once `event` (CUDA only) has fired. `logits` are the sampled rows' logits of a
+    step whose sampling is deferred (None once it has sampled, or when it samples at launch).
     """
 
     so: SchedulerOutput
@@ -36,20 +44,45 @@ class LaunchedStep:
     event: torch.cuda.Event | None = None
     plp_logits: torch.Tensor | None = None
     plp_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+
+    @property
+    def awaits_sampling(self) -> bool:
+        """Launched with its sampling deferred, and not sampled yet."""
+        return self.logits is not None
 
 
-def sample_on_device(sampler: Sampler, so: SchedulerOutput, logits: torch.Tensor,
-                     eos_token_ids: tuple[int, ...]) -> LaunchedStep:
-    """Sample the rows that need a token; the results start their copy to the host."""
+def new_step(so: SchedulerOutput, deferred_logits: torch.Tensor | None = None) -> LaunchedStep:
+    """The launched-step record of `so`, before sampling (`deferred_logits`: its sampling is deferred,
+    these are the sampled rows' logits)."""
     rows = [i for i in range(so.num_reqs) if so.samples[i]]
-    step = LaunchedStep(so, rows, {so.requests[i].request_id: j for j, i in enumerate(rows)})
+    return LaunchedStep(so, rows, {so.requests[i].request_id: j for j, i in enumerate(rows)},
+                        logits=deferred_logits)
+
+
+def sample_on_device(sampler: Sampler, step: LaunchedStep, logits: torch.Tensor,
+                     eos_token_ids: tuple[int, ...], token_mask: StepTokenMask | None = None) -> None:
+    """Sample the rows of `step` that need a token (`logits`, one row each, in order), applying the
+    constrained rows' token masks first; the results start their copy to the host. For a deferred step
+    (`awaits_sampling`) each sampling request's pending tokens already count this step's own."""
+    if logits is None:
+        raise RuntimeError("the step has sampled already (or was not launched with deferred sampling)")
+    own = 1 if step.awaits_sampling else 0
+    step.logits = None
     if logits.shape[0] == 0:
-        return step
+        return
+    if token_mask is not None:
+        bitmask = token_mask.bitmask
+        if logits.device.type == "cuda":  # a pinned buffer: the copy does not wait for the device
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        apply_token_mask(logits, bitmask, token_mask.rows)
+    so, rows = step.so, step.rows
     reqs = [so.requests[i] for i in rows]
     params = [q.sampling_params for q in reqs]
     penalties = any(p.uses_penalties for p in params)
     need_outputs = penalties or any(p.min_tokens > 0 for p in params)
-    if penalties and any(q.num_pending_outputs and q.sampling_params.uses_penalties for q in reqs):
+    pending = [max(0, q.num_pending_outputs - own) for q in reqs]  # tokens of earlier steps in flight
+    if penalties and any(n and q.sampling_params.uses_penalties for n, q in zip(pending, reqs)):
         raise RuntimeError("penalties need every output token on the host: finish the step in flight "
                            "before launching this one")
     batch = SamplingBatch(
@@ -57,8 +90,8 @@ def sample_on_device(sampler: Sampler, so: SchedulerOutput, logits: torch.Tensor
         generators=[q.generator for q in reqs],
         penalty_prompt_ids=[q.real_prompt_token_ids() for q in reqs] if penalties else None,
         # min_tokens counts outputs only: a token in flight is a -1 here (penalties ignore it).
-        output_ids=[q.output_token_ids + [-1] * q.num_pending_outputs if q.num_pending_outputs
-                    else q.output_token_ids for q in reqs] if need_outputs else None,
+        output_ids=[q.output_token_ids + [-1] * n if n else q.output_token_ids
+                    for n, q in zip(pending, reqs)] if need_outputs else None,
         eos_token_ids=eos_token_ids,
     )
     out = sampler(logits, batch)
@@ -70,9 +103,18 @@ def sample_on_device(sampler: Sampler, so: SchedulerOutput, logits: torch.Tensor
         step.event = torch.cuda.Event()
         step.event.record()
     step.host = host
-    return step
+
+
+@torch.inference_mode()
+def sample_deferred(sampler: Sampler, step: LaunchedStep, eos_token_ids: tuple[int, ...],
+                    token_mask: StepTokenMask | None) -> None:
+    """Sample a step launched with `defer_sampling`, its constrained rows masked by `token_mask`."""
+    sample_on_device(sampler, step, step.logits, eos_token_ids, token_mask)
+
 
 def sampled_result(step: LaunchedStep) -> StepResult:
+    if step.awaits_sampling:
+        raise RuntimeError("a step launched with deferred sampling was read before it sampled")
     r = step.so.num_reqs
     sampled: list[int | None] = [None] * r
     if step.host is None:
@@ -99,4 +141,4 @@ def sampled_result(step: LaunchedStep) -> StepResult:
     return result
 
 
-__all__ = ["LaunchedStep", "sample_on_device", "sampled_result"]
+__all__ = ["LaunchedStep", "new_step", "sample_deferred", "sample_on_device", "sampled_result"]

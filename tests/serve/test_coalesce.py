@@ -147,3 +147,10 @@ def test_an_engine_failure_behind_queued_deltas_comes_after_them(tiny_text_model
     assert json.loads(events[0][6:])["choices"][0]["token_ids"] == [11, 12]
     assert json.loads(events[1][6:])["error"]["code"] == 500 and events[2] == "data: [DONE]"
     assert aborted == ["cmpl-f-0"]
+
+
+def test_a_merged_delta_keeps_what_only_the_first_delta_carries():
+    first = RequestDelta("r", [1], prompt_logprobs=[None, {5: -0.5}], prompt_token_ids=[9, 5])
+    (merged,), other = coalesce([first, RequestDelta("r", [2]), RequestDelta("r", [3], finished=True)])
+    assert other is None and merged.new_token_ids == [1, 2, 3] and merged.finished
+    assert merged.prompt_logprobs == [None, {5: -0.5}] and merged.prompt_token_ids == [9, 5]

@@ -44,10 +44,9 @@ def test_refusals_name_the_field_and_its_path(fresh_log):
         check_request_fields(chat)
     assert info.value.param == "messages[1].tool_calls"
     with pytest.raises(ApiError) as info:
-        schema = {"type": "json_schema", "json_schema": {}}
         check_request_fields(ChatCompletionRequest(messages=[{"role": "user", "content": "a"}],
-                                                   response_format=schema))
-    assert info.value.param == "response_format" and "'json_schema'" in info.value.message
+                                                   guided_json={"type": "object"}))
+    assert info.value.param == "guided_json" and "structured_outputs" in info.value.message
 
 
 def test_prompt_logprobs_ranks_are_known_for_the_top_k_only():

@@ -193,9 +193,8 @@ def test_prompt_embeds_content_part_in_vllm_spelling(http, offline_llm, text_ser
 def test_refusals_name_the_field(http, text_server):
     routes = (("/v1/completions", {"prompt": TEXT}), ("/v1/chat/completions", {"messages": _chat(TEXT)}))
     for route, extra in routes:
-        message = _refused(http, route, "response_format", response_format={"type": "json_object"}, **extra)
-        assert "structured outputs" in message
-        _refused(http, route, "structured_outputs", structured_outputs={"regex": "a+"}, **extra)
+        message = _refused(http, route, "guided_regex", guided_regex="a+", **extra)
+        assert "structured_outputs" in message  # vLLM's older name: the field to use instead
         _refused(http, route, "stream_options", stream_options={"include_usage": True}, **extra)
         _refused(http, route, "seed", seed=2**63, **extra)
         _refused(http, route, "seed", seed=-(2**63) - 1, **extra)
