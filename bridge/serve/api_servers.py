@@ -1,10 +1,10 @@
 """Several API processes in front of one engine process (`bridge serve --api-server-count N`), as vLLM.
 
 Why: with the engine in its own process, what limits a burst of large prompt-embeds bodies is the one
-process that receives, parses and forwards them (about 2.8 ms per 1.9 MB request on an H200 host:
-64 requests reach the engine over 0.2 s). N API processes share the port (the kernel hands each
-connection to one of them) and each talks to the engine over its own pair of pipes, so
-ingest runs N-wide while the engine still batches every request together.
+process that receives, parses and forwards them: a burst reaches the engine one body at a time. N API
+processes share the port (the kernel hands each connection to one of them) and each talks to the
+engine over its own pair of pipes, so ingest runs N-wide while the engine still batches every request
+together.
 
 Layout: this (parent) process launches the engine process, binds the sockets, starts the N API
 processes while the engine builds (their imports take seconds each, as long as a small engine's

@@ -22,7 +22,7 @@ import bridge
 from bridge.serve.arrivals import Arrivals
 from bridge.serve.chat import ChatRenderer
 from bridge.serve.engine_loop import EngineFront, EngineLoop
-from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess, RemoteEngineLoop
+from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess, EngineProcessFront
 from bridge.serve.errors import ApiError, bounded, install_error_handlers
 from bridge.serve.generation import Generation, TokenText
 from bridge.serve.guards import BODY_RECEIVED, Guards
@@ -108,7 +108,7 @@ class ServerState:
             # In the process that started the engine (one API process) the loop also waits for its end.
             link = self.engine_link or self.engine_process.links[0]
             on_finish = self.engine_process.join if self.engine_link is None else None
-            self.loop = RemoteEngineLoop(link, self.engine_info, max_pending=self.max_pending,
+            self.loop = EngineProcessFront(link, self.engine_info, max_pending=self.max_pending,
                                          metrics=self.metrics, arrivals=self.arrivals, on_finish=on_finish)
         self.token_text = TokenText(self.tokenizer)
 

@@ -2,7 +2,7 @@
 
 Why the engine loop wants to know: a greedy decode window runs up to 32 steps with no look at new
 work, so a request whose body finishes parsing just after a window started waits for the whole window
-(about 70 ms for the W1 model) before its prefill; in a burst of arrivals most requests met one. While
+before its prefill; in a burst of arrivals most requests meet one. While
 `Arrivals.count` is above zero the loop runs short windows instead, and full ones once the burst is in.
 
 Each POST gets a ticket in the guards middleware (before its body is read); the handler's

@@ -76,7 +76,7 @@ def set_torch_threads(args: argparse.Namespace, device_type: str) -> None:
 
     There the process's own CPU tensor work is small (step inputs, uploads), while the host is busy
     with HTTP, the ingest workers and often the clients; an OpenMP team spread over busy cores waits
-    at its barriers for descheduled threads (a 20 us copy took ms beside another busy process). vLLM
+    at its barriers for descheduled threads, so a tiny copy can take orders of magnitude longer. vLLM
     runs its GPU workers with OMP_NUM_THREADS=1 for the same reason. A CPU server keeps torch's
     default: there the model runs on those threads.
     """

@@ -9,7 +9,7 @@ the engine's continuous batching.
 
 `EngineLoop` joins the two in one process: its task hands each tick to a worker thread, so the event
 loop stays free to accept connections and stream while the model runs, and the core is only ever
-touched by one thread at a time. `bridge.serve.engine_process.RemoteEngineLoop` is the same front
+touched by one thread at a time. `bridge.serve.engine_process.EngineProcessFront` is the same front
 with the ticker in another process (`bridge serve --engine-process`).
 """
 

@@ -1,9 +1,9 @@
 """The engine in its own process (`bridge serve --engine-process`): the API process never steps the model.
 
 Why: in one process the event loop (receiving bodies, streaming chunks), the ingest pool's result
-threads and the engine's ticks share one interpreter lock. On an H200 with 64 clients sending W1's
-1.9 MB prompt-embeds bodies, prefill steps that take 10-20 ms offline took up to 67 ms in the server
-and admission ticks 24-74 ms, all waiting for the lock. vLLM runs its engine core in its own process
+threads and the engine's ticks share one interpreter lock: under many clients sending large
+prompt-embeds bodies, steps and admission ticks wait for the lock several times as long as they run
+offline (`benchmarks/serve.py`). vLLM runs its engine core in its own process
 for the same reason. Here the spawned engine process builds the `LLM` and runs `EngineTicker` ticks
 back to back; the API process keeps HTTP, parsing and streaming, with the same `EngineFront` as the
 in-process loop, so routes, limits, metrics and shutdown behave the same.
@@ -91,8 +91,8 @@ class _TensorUnpickler(pickle.Unpickler):
 def _send(conn, message: Any) -> None:
     """One message: a pickle of everything but its CPU tensors, then each tensor's bytes written from
     its own memory. The receiver reads them straight into the new tensors' storage with the GIL
-    released, where torch's pickled-storage path costs about 1 ms of GIL per 1 MB prompt-embeds
-    tensor: in the engine process that time is taken from the step that is running."""
+    released, where torch's pickled-storage path holds the GIL for a copy of every byte: in the engine
+    process that time is taken from the step that is running."""
     buf = io.BytesIO()
     pickler = _TensorPickler(buf)
     pickler.dump(message)
@@ -410,7 +410,7 @@ class EngineProcess:
             link.outcomes.close()
 
 
-class RemoteEngineLoop(EngineFront):
+class EngineProcessFront(EngineFront):
     """The front of an engine that runs in an `EngineProcess`, over one `EngineLink`.
 
     The task forwards queued submissions, aborts and the arrivals count to a sender thread; a

@@ -1,11 +1,11 @@
 """Large request bodies parsed in worker processes: JSON and prompt-embeds payloads off the engine's GIL.
 
-Why: the server's event loop, its engine loop and every stream share one interpreter lock. A W1
-prompt-embeds request is a 1.9 MB JSON body; on an H200 host, `json.loads` took 1.7 ms of it and
-`load_prompt_embeds` (base64 + archive checks + `torch.load`) 3.6 ms, all holding the lock. At 64
-clients the bodies queued behind each other for longer than the whole generation took, and the
-engine idled. In a pool of spawned processes the same work runs in parallel and the event loop only
-moves bytes: the body out, and each decoded tensor's raw bytes back.
+Why: the server's event loop, its engine loop and every stream share one interpreter lock. A
+prompt-embeds request is a JSON body of megabytes, and `json.loads` and `load_prompt_embeds` (base64 +
+archive checks + the tensor) hold the lock throughout; under many clients the bodies queue behind each
+other for longer than the generation takes, and the engine idles. In a pool of spawned processes the
+same work runs in parallel and the event loop only moves bytes: the body out, and each decoded
+tensor's raw bytes back.
 
 What a worker returns is plain data (the parsed JSON with each top-level `prompt_embeds` string
 replaced by `PLACEHOLDER`, and per payload either `(bytes, dtype name, shape)` or the `ValueError`

@@ -152,9 +152,8 @@ def decode_embeds(payload: str, *, where: str, hidden_size: int, max_model_len: 
     try:
         # NaN/Inf: the engine checks every prompt when it admits the request (on the device on a
         # GPU) and the 400 names the prompt; checking here too cost more than the decode itself.
-        # In the event loop, not a thread: the decode holds the GIL either way (1.4 ms for a 1.4 MB
-        # payload), and in a thread it waited out the interpreter's 5 ms switch interval behind the
-        # loop's own JSON parsing: 12.7 ms a payload on average under a burst of 64.
+        # In the event loop, not a thread: the decode holds the GIL either way, and in a thread it
+        # waits out the interpreter's switch interval behind the loop's own JSON parsing.
         tensor = load_prompt_embeds(payload, hidden_size=hidden_size,
                                     max_bytes=limits.max_prompt_embeds_bytes, max_rows=max_model_len,
                                     check_finite=False)

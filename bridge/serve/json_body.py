@@ -1,9 +1,9 @@
 """Request bodies whose long base64 strings skip `json.loads`'s character-by-character string scan.
 
-Why: a W1 prompt-embeds request is a 1.4 MB body that is almost all one base64 string, and `json.loads`
-reads a string one character at a time, checking each for a quote, an escape or a control character:
-1.3 ms of the ~6.7 ms of CPU an API process spent per such request (py-spy of `bridge serve` on the CPU
-with a 1024-wide model). Base64 text needs none of those checks: its alphabet has no quote, backslash or
+Why: a prompt-embeds request is a body of megabytes that is almost all one base64 string, and
+`json.loads` reads a string one character at a time, checking each for a quote, an escape or a control
+character: a large share of the CPU an API process spends per such request. Base64 text needs none of
+those checks: its alphabet has no quote, backslash or
 control character.
 
 `loads_body(body)` equals `json.loads(body)`. It finds the body's strings with `bytes.find` (C speed),

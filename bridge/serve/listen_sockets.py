@@ -2,11 +2,10 @@
 
 Why: N processes accepting from one shared socket do not share its connections. asyncio accepts up to
 its backlog of pending connections whenever the socket turns readable, so the first process to wake
-takes a burst whole: 64 clients connecting at once landed 64/0/0/0, 24/40/0/0 or 7/19/38/0 on four API
-processes (measured on a 2-core host), and one process then parsed most of the burst alone while the
-others idled. With `SO_REUSEPORT` (Linux) every process listens on its own socket bound to the same
-port and the kernel spreads new connections over them by a hash of their addresses (12-20 per process
-in the same measurement), which is how nginx and envoy run several acceptors.
+takes a burst whole or most of it, and that process then parses the burst alone while the others idle.
+With `SO_REUSEPORT` (Linux) every process listens on its own socket bound to the same port and the
+kernel spreads new connections over them by a hash of their addresses, which is how nginx and envoy
+run several acceptors.
 
 Where the option is missing (or does not balance: other systems give every connection to one of the
 sockets), the processes share one socket as before. All sockets are bound and listening here, in the

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bridge.serve.engine_loop import EngineFailed
-from bridge.serve.engine_process import EngineProcess, RemoteEngineLoop
+from bridge.serve.engine_process import EngineProcess, EngineProcessFront
 from bridge.serve.metrics import ServeMetrics
 from bridge.serve.server import add_serve_arguments
 from runner.sampling_params import SamplingParams
@@ -41,7 +41,7 @@ def test_a_dead_engine_fails_live_requests_and_refuses_new_ones(tiny_text_model)
     assert info.hidden_size > 0 and info.max_model_len == 1024
 
     async def scenario() -> None:
-        front = RemoteEngineLoop(engine.links[0], info, max_pending=8, metrics=ServeMetrics(),
+        front = EngineProcessFront(engine.links[0], info, max_pending=8, metrics=ServeMetrics(),
                                  on_finish=engine.join)
         front.start()
         params = [SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)]
