@@ -115,10 +115,10 @@ class FillTimer:
         self.seconds, self.calls, self._fill = 0.0, 0, masks.fill
         masks.fill = self
 
-    def __call__(self, so):
+    def __call__(self, *args):
         t0 = time.perf_counter()
         try:
-            return self._fill(so)
+            return self._fill(*args)
         finally:
             self.seconds += time.perf_counter() - t0
             self.calls += 1
