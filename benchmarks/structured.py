@@ -115,10 +115,10 @@ class FillTimer:
         self.seconds, self.calls, self._fill = 0.0, 0, masks.fill
         masks.fill = self
 
-    def __call__(self, so):
+    def __call__(self, *args):
         t0 = time.perf_counter()
         try:
-            return self._fill(so)
+            return self._fill(*args)
         finally:
             self.seconds += time.perf_counter() - t0
             self.calls += 1
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
 
     log("building the engine")
     llm = LLM(model_dir, enable_prompt_embeds=True, dtype="float32" if smoke else "bfloat16", device=device,
-              max_model_len=rows + max_tokens + 16, **({"num_kv_blocks": 256} if smoke else {}))
+              max_model_len=rows + max_tokens + 16,  # W1's engine settings, as benchmarks/generate.py
+              **({"num_kv_blocks": 256} if smoke else {"max_num_seqs": 256, "max_num_batched_tokens": 16384}))
     window = llm.decode_window
     timer = FillTimer(llm.core.token_masks)
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}

@@ -165,9 +165,9 @@ def _engine(model_dir, path: str, device: str = "cpu", **kw) -> tuple[LLM, list[
         seen.append(embeds.clone())
         return forward(embeds, *args, **kwargs)
 
-    def checked_launch(so, prev=None):
+    def checked_launch(so, prev=None, **kwargs):
         seen.clear()
-        step = launch(so, prev)
+        step = launch(so, prev, **kwargs)
         windows = [RequestWindow(r.mm_features, r.num_computed_tokens, n, r.num_prompt_tokens)
                    for r, n in zip(so.requests, so.num_scheduled_tokens)]
         ids = torch.cat([torch.from_numpy(runner.token_table[r.slot, w.num_computed_tokens:

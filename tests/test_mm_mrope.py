@@ -191,9 +191,9 @@ def _generate_recording_positions(llm, prompts):
     seen: list[torch.Tensor] = []
     launch, forward = llm.runner.launch, llm.runner.forward
 
-    def spy_launch(so, prev=None):
+    def spy_launch(so, prev=None, **kwargs):
         steps.append(([r.request_id for r in so.requests], list(so.num_scheduled_tokens)))
-        return launch(so, prev)
+        return launch(so, prev, **kwargs)
 
     def spy_forward(embeds, positions, *args, **kwargs):
         seen.append(positions.detach().clone().cpu())

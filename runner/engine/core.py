@@ -276,8 +276,9 @@ class EngineCore:
         """Launch `so` (behind `prev`, still in flight). A constrained request whose last token `prev`
         samples has no token mask yet: the step's sampling is then deferred to `_sample_deferred`, once
         `prev` is read, while this step's forward runs."""
-        defer = prev is not None and any(q.num_pending_outputs for _, q in constrained_rows(so))
-        mask = None if defer else self.token_masks.fill(so)
+        rows = constrained_rows(so)
+        defer = prev is not None and any(q.num_pending_outputs for _, q in rows)
+        mask = None if defer or not rows else self.token_masks.fill(so, rows)
         self.in_flight = self.runner.launch(so, prev, token_mask=mask, defer_sampling=defer)
         self.scheduler.mark_launched(so)
 

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from transformers import PreTrainedTokenizerFast
+
 from runner.sampling_params import StructuredOutputsParams
 
 #: bound on the compiled grammars xgrammar keeps for reuse (each distinct schema of a server's clients)
@@ -47,8 +49,8 @@ _checked: OrderedDict[tuple, None] = OrderedDict()
 
 
 def _xgrammar():
-    """The xgrammar module, imported on first use: it loads about a second of native code, which only
-    an engine that meets a constrained request (or a server checking one) should pay."""
+    """The xgrammar module, imported on first use: it loads a large native library, which only an
+    engine that meets a constrained request (or a server checking one) should pay for."""
     try:
         import xgrammar
     except ImportError as exc:
@@ -201,13 +203,16 @@ class GrammarCompiler:
         if self.tokenizer is None:
             raise ValueError("structured outputs need a tokenizer in the model directory")
         stop = sorted({int(t) for t in self.eos_token_ids}) or None
-        base = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                  stop_token_ids=stop)
-        info = base
         try:
-            vocab = self.tokenizer.get_vocab()
-        except (AttributeError, NotImplementedError):
-            vocab = None
+            base = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=stop)
+        except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
+            raise ValueError("structured outputs cannot read this model's tokenizer: "
+                             f"{_message(exc)}") from None
+        info = base
+        # A fast tokenizer's vocabulary is what xgrammar itself reads (tiktoken and SentencePiece ones take
+        # other paths there, kept as they are).
+        vocab = self.tokenizer.get_vocab() if isinstance(self.tokenizer, PreTrainedTokenizerFast) else None
         if vocab:
             # An empty string is how xgrammar marks a token that never appears in a constrained output.
             encoded = [""] * self.vocab_size

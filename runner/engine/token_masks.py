@@ -65,10 +65,13 @@ class TokenMasks:
         self._turn ^= 1
         return self._buffers[self._turn]
 
-    def fill(self, so: SchedulerOutput) -> StepTokenMask | None:
-        """The masks of `so`'s constrained sampling rows (None: it has none). A request that finished
-        after `so` was planned is left out: its token there is discarded anyway."""
-        rows = [(j, req) for j, req in constrained_rows(so) if not req.is_finished]
+    def fill(self, so: SchedulerOutput,
+             rows: list[tuple[int, Request]] | None = None) -> StepTokenMask | None:
+        """The masks of `so`'s constrained sampling rows (`rows`, when the caller has them already;
+        None: it has none). A request that finished after `so` was planned is left out: its token
+        there is discarded anyway."""
+        rows = [(j, req) for j, req in (constrained_rows(so) if rows is None else rows)
+                if not req.is_finished]
         if not rows:
             return None
         n = len(rows)

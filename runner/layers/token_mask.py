@@ -1,24 +1,26 @@
 """Apply structured outputs' packed token masks to a step's logits, in place, before sampling.
 
 The mask rows come packed as xgrammar fills them (bit b of int32 word w allows token 32 * w + b). They are
-unpacked on the device with a few torch ops (an AND against the 32 bit values, a compare) and the
-disallowed logits set to -inf: plain tensor ops, so nothing is compiled at run time, on the GPU or the
-CPU alike. Columns past the mask's width (a padded LM head) are disallowed too.
+unpacked on the device with a few torch ops (the words read as bytes, an AND against the 8 bit values, a
+compare: one byte per token in between, never an int32 per token) and the disallowed logits set to -inf:
+plain tensor ops, so nothing is compiled at run time, on the GPU or the CPU alike. Columns past the
+mask's width (a padded LM head) are disallowed too.
 """
 
 from __future__ import annotations
 
 import torch
 
+# Byte k of an int32 word holds its bits 8k..8k+7 in little-endian memory: x86, ARM and CUDA devices, all
+# the platforms torch runs on (tests hold the unpacking equal to xgrammar's own kernel).
 _BIT_VALUES: dict[torch.device, torch.Tensor] = {}
 
 
 def _bit_values(device: torch.device) -> torch.Tensor:
-    """(32,) int32: 1 << b for b in 0..31 (bit 31 is the sign bit, and int32 AND works on it alike)."""
+    """(8,) uint8: 1 << b for b in 0..7."""
     values = _BIT_VALUES.get(device)
     if values is None:
-        values = torch.tensor([1 << b if b < 31 else -(1 << 31) for b in range(32)], dtype=torch.int32,
-                              device=device)
+        values = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=device)
         _BIT_VALUES[device] = values
     return values
 
@@ -26,7 +28,8 @@ def _bit_values(device: torch.device) -> torch.Tensor:
 def unpack_token_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(n, words) packed int32 -> (n, vocab_size) bool, True where the token is allowed."""
     n, words = bitmask.shape
-    allowed = (bitmask.unsqueeze(-1) & _bit_values(bitmask.device)).ne(0).view(n, words * 32)
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # (n, 4 * words): bits 8k.. of each word in byte k
+    allowed = (as_bytes.unsqueeze(-1) & _bit_values(bitmask.device)).ne(0).view(n, words * 32)
     if words * 32 >= vocab_size:
         return allowed[:, :vocab_size]
     pad = torch.zeros(n, vocab_size - words * 32, dtype=torch.bool, device=bitmask.device)
