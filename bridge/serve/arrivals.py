@@ -1,12 +1,11 @@
-"""Requests on their way to the engine: their body arriving or being parsed, not yet submitted.
+"""Requests on their way to the engine: received or being parsed, not yet submitted.
 
 Why the engine loop wants to know: a greedy decode window runs up to 32 steps with no look at new
 work, so a request whose body finishes parsing just after a window started waits for the whole window
 (about 70 ms for the W1 model) before its prefill; in a burst of arrivals most requests met one. While
 `Arrivals.count` is above zero the loop runs short windows instead, and full ones once the burst is in.
 
-Each POST gets a ticket in the guards middleware when its body's first bytes are in (not at its
-headers: a client may take milliseconds between its headers and its body); the handler's
+Each POST gets a ticket in the guards middleware (before its body is read); the handler's
 `EngineLoop.submit` punches it, and the middleware punches it when the request ends in any other way
 (a 400, a disconnect), so the count never leaks. The ticket travels in a context variable: the
 handler runs in the middleware's task, or in a task that copied its context.
@@ -28,7 +27,7 @@ class _Ticket:
     def __init__(self, arrivals: Arrivals) -> None:
         self.arrivals = arrivals
         self.open = True
-        self.started = time.monotonic()  # when the request arrived (its body's first bytes)
+        self.started = time.monotonic()  # when the request arrived (before its body was read)
 
     def punch(self) -> None:
         if self.open:

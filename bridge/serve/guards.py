@@ -105,20 +105,13 @@ class Guards:
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        await self._with_body(scope, receive, send)
+        with self.arrivals.arriving():
+            await self._with_body(scope, receive, send)
 
     async def _with_body(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = await receive()
-        # On its way to the engine (arrivals.py) from its body's first bytes, not from its headers: a
-        # client may send its headers and then take milliseconds before the body (the official client
-        # yields to its other streams between the two writes), and the engine cut its decode windows
-        # for a request that could not be admitted for a while yet.
-        with self.arrivals.arriving():
-            await self._rest_of_body(scope, message, receive, send)
-
-    async def _rest_of_body(self, scope: Scope, message: dict, receive: Receive, send: Send) -> None:
         chunks, size = [], 0
         while True:
+            message = await receive()
             if message["type"] == "http.disconnect":
                 return
             chunk = message.get("body", b"")
@@ -132,7 +125,6 @@ class Guards:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-            message = await receive()
         body = b"".join(chunks)
         scope[BODY_RECEIVED] = time.perf_counter()
         self.metrics.body_seconds.observe(scope[BODY_RECEIVED] - scope[ARRIVED])

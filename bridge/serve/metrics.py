@@ -97,7 +97,7 @@ class ServeMetrics:
         self.live = Gauge("bridge:num_requests_live", "Requests accepted and not yet finished", registry=r,
                           multiprocess_mode="livesum")
         self.arriving = Gauge("bridge:num_requests_arriving",
-                              "POST requests whose body is arriving or being parsed, not yet submitted",
+                              "POST requests received or being parsed, not yet submitted to the engine",
                               registry=r, multiprocess_mode="livesum")
         self.mm_items = Counter("bridge:encoder_cache_queries", "Media items in accepted requests",
                                 registry=r)

@@ -26,7 +26,7 @@ def test_a_ticket_is_punched_once_at_submission_or_at_the_end():
     assert arrivals.count == 0
 
 
-def test_guards_count_a_post_from_its_body_on_and_never_after():
+def test_guards_count_a_post_while_its_body_arrives_and_never_after():
     arrivals = Arrivals()
     seen: list[int] = []
 
@@ -40,7 +40,7 @@ def test_guards_count_a_post_from_its_body_on_and_never_after():
               {"type": "http.request", "body": b": 1}", "more_body": False}]
 
     async def receive():
-        seen.append(arrivals.count)  # from the body's first bytes on (not while waiting for them)
+        seen.append(arrivals.count)  # counted while the body is being read
         return chunks.pop(0)
 
     async def send(message):
@@ -48,7 +48,7 @@ def test_guards_count_a_post_from_its_body_on_and_never_after():
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
     asyncio.run(guards(scope, receive, send))
-    assert seen == [0, 1, 1] and arrivals.count == 0
+    assert seen == [1, 1, 1] and arrivals.count == 0
     get = {"type": "http", "method": "GET", "path": "/health", "headers": []}
     asyncio.run(guards(get, receive, send))
     assert seen[-1] == 0  # a GET is not an arrival
