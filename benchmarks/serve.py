@@ -416,6 +416,11 @@ class Clients:
         self.procs = procs
         self.pool = ProcessPoolExecutor(procs, mp_context=ctx, initializer=_client_init,
                                         initargs=(ctx.Barrier(procs),))
+        self._starting = [self.pool.submit(os.getpid) for _ in range(procs)]  # start them all now
+
+    def wait_started(self) -> None:
+        for future in self._starting:
+            future.result()
 
     def run(self, kind: str, url: str, requests_file: pathlib.Path, max_tokens: list[int],
             in_flight: int) -> dict:
@@ -424,7 +429,8 @@ class Clients:
         n, procs = len(max_tokens), self.procs
         streams = [in_flight // procs + (k < in_flight % procs) for k in range(procs)]
         indices = [list(range(k, n, procs)) for k in range(procs)]
-        start_at = time.monotonic() + 2.0  # every process has loaded its share and met the others by then
+        self.wait_started()
+        start_at = time.monotonic() + 0.5  # each process loads its share, meets the others, waits for this
         futures = [self.pool.submit(client_share, kind, url, str(requests_file), idx,
                                     [max_tokens[i] for i in idx], s, start_at)
                    for idx, s in zip(indices, streams)]
@@ -451,14 +457,18 @@ class Clients:
 
 # ------------------------------------------------------------------------------------------ phases
 
-def offline_phase(model_dir, device, dtype, settings, embeds, max_tokens, runs: int) -> dict:
-    """`LLM.generate` on the same requests: one warm-up, then `runs` timed generates (median)."""
+def offline_phase(model_dir, device, dtype, settings, embeds, max_tokens, runs: int,
+                  before_timing=lambda: None) -> dict:
+    """`LLM.generate` on the same requests: one warm-up, then (after `before_timing()`: the client
+    processes' start, which must not share the host with the timed runs) `runs` timed generates
+    (median)."""
     from runner.llm import LLM
 
     llm = LLM(model_dir, enable_prompt_embeds=True, dtype=dtype, device=device, **settings)
     prompts = [{"prompt_embeds": e} for e in embeds]
     try:
         run_bridge(llm, prompts, max_tokens, device)  # warm-up
+        before_timing()
         timed = [run_bridge(llm, prompts, max_tokens, device)["tok_s"] for _ in range(runs)]
     finally:
         llm.shutdown()
@@ -655,9 +665,10 @@ def main(argv=None) -> int:
     clients = None
     results["variants"] = []
     try:
+        clients = Clients(args.client_procs)  # their imports (torch, openai) beside the offline warm-up
         log(f"offline LLM.generate: {args.requests} requests, max_num_seqs {args.in_flight}")
-        results["offline"] = offline_phase(model_dir, device, dtype, settings, embeds, max_tokens, args.runs)
-        clients = Clients(args.client_procs)
+        results["offline"] = offline_phase(model_dir, device, dtype, settings, embeds, max_tokens, args.runs,
+                                           before_timing=clients.wait_started)
         for k, server_args in enumerate(args.server_args):
             trace = work_dir / f"ticks_{k}.jsonl"
             server = started(model_dir, args, server_args, settings, dtype_name, cache_dir, log_dir,

@@ -10,11 +10,13 @@ tower with torchvision and open_clip (seconds, on the server's start-up path).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    if name.startswith("__") and name != "__all__":
+    if (name.startswith("__") and name != "__all__") or importlib.util.find_spec(f"encoders.{name}"):
+        # a submodule (`from encoders import audio_inputs`): the import system loads it on this answer
         raise AttributeError(f"module 'encoders' has no attribute {name!r}")
     api = importlib.import_module("encoders.api")
     if name == "__all__":

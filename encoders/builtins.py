@@ -1,6 +1,7 @@
 """Registers the built-in towers, projectors and preprocessors by importing their modules once.
 
-The package imports this on its own import, so every lookup sees the built-ins; open_clip,
+`encoders.api` and `encoders.encoder` (which resolves part names) import this, so every lookup sees
+the built-ins; open_clip,
 torchaudio and transformers stay imported lazily inside the towers that need them.
 """
 

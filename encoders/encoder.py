@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from encoders import builtins  # noqa: F401 - the built-in parts registered before this module looks one up
 from encoders.checkpoint import WEIGHTS_NAME, load_state_dict_checked, read_encoder_config, save_encoder
 from encoders.hashing import content_hash as _content_hash
 from encoders.parts import Batch, Projector, Tower, check_keys, move_batch

@@ -6,7 +6,7 @@ register its own tower with one decorator in its own module. A name may also be 
 ``"package.module:ClassName"``, imported on lookup, so a part needs no registration at all.
 
 This module is a leaf: it imports nothing of its own package. The built-in parts register
-themselves when ``encoders.builtins`` is imported (the package does so once, on import).
+themselves when ``encoders.builtins`` is imported (``encoders.api`` and ``encoders.encoder`` do).
 """
 
 from __future__ import annotations
