@@ -154,7 +154,9 @@ class Server:
         raise RuntimeError(f"no /health 200 within {limit_s} s:\n{self.log_text()[-4000:]}")
 
     def _log_times(self) -> dict:
-        """Seconds from the start to the engine's ready line and its serving warm-up, from the log."""
+        """From the log: seconds from the start to the engine process's start (spawned, imported), its
+        LLM built ("start-up:", before its construction warm-up), the serving warm-up's end and the
+        engine ready; and how long the two warm-ups took."""
         out = {}
         for line in self.log_text().splitlines():
             t = log_epoch(line)
@@ -162,6 +164,11 @@ class Server:
                 continue
             if "engine_ready_s" not in out and re.search(r"engine process \d+ ready", line):
                 out["engine_ready_s"] = t - self.started
+            elif "engine_started_s" not in out and re.search(r"engine process \d+ started", line):
+                out["engine_started_s"] = t - self.started  # spawned, its modules imported
+            elif "construction_warm_up_s" not in out and re.search(r"runner\.warmup.*: warm-up: ", line):
+                match = re.search(r"warm-up: ([\d.]+) s", line)
+                out["construction_warm_up_s"] = float(match.group(1)) if match else None
             elif "serving warm-up:" in line:
                 out["serving_warm_up_logged_s"] = t - self.started
                 match = re.search(r"serving warm-up: ([\d.]+) s", line)
@@ -587,8 +594,11 @@ def table(results: dict) -> str:
     for name, t in (("cold", cold), ("warm", warm)):
         if t:
             rows.append((f"/health 200 s, {name}", f"{t['health_200_s']:.1f}",
-                         f"first 503 {_fmt(t['first_503_s'])} s, "
-                         f"engine ready {_fmt(t.get('engine_ready_s'))} s, "
+                         f"engine process up {_fmt(t.get('engine_started_s'))} s, LLM built "
+                         f"{_fmt(t.get('engine_built_s'))} s (+ warm-up "
+                         f"{_fmt(t.get('construction_warm_up_s'))} s, serving warm-up "
+                         f"{_fmt(t.get('serving_warm_up_s'))} s), engine ready "
+                         f"{_fmt(t.get('engine_ready_s'))} s; first 503 {_fmt(t['first_503_s'])} s; "
                          f"ready -> 200 {_fmt(t.get('engine_ready_to_health_s'), 2)} s"))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{width}}  {b:>14}  {c}" for a, b, c in rows)

@@ -53,14 +53,17 @@ def api_server_main(index: int, args: argparse.Namespace, link: EngineLink, sock
     (each worker imports torch); then it waits on `ready` (a pipe from the parent) for the engine's
     `EngineInfo`, builds the routes' state and serves them. None on `ready` (the engine failed, or the
     server is stopping) ends it quietly. A SIGTERM or SIGINT before uvicorn takes the signals over
-    only sets a flag (raising out of a handler in the middle of an import can hang it), which is
-    looked at before uvicorn starts."""
+    only sets a flag (raising out of a handler in the middle of an import can hang it) and, once the
+    server object exists, asks it to stop as soon as it runs."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
     stopping = threading.Event()
+    server = None
 
     def stop_early(_signum, _frame) -> None:
         stopping.set()
+        if server is not None:  # built, but uvicorn's own handlers are not in place yet: it stops at once
+            server.should_exit = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop_early)
@@ -68,7 +71,8 @@ def api_server_main(index: int, args: argparse.Namespace, link: EngineLink, sock
     from bridge.serve.uvicorn_server import graceful_server, uvicorn_config
 
     bring_up = _BringUp(args, link, ready)
-    starting = StartingApp(bring_up.run, _build_app, on_stop_early=bring_up.close)
+    starting = StartingApp(bring_up.run, _build_app, on_stop_early=bring_up.close,
+                           engine_ready=bring_up.engine_ready)
     server = graceful_server(uvicorn_config(starting, args), drain=starting.drain)
     starting.server = server
     if stopping.is_set():
@@ -99,12 +103,24 @@ class _BringUp:
         self.pool: Any = None  # the ingest pool until the state owns it
         self._lock = threading.Lock()  # `close` may come while `_prepare` starts the pool in its thread
         self._closed = False
+        self._heard = False  # the parent's word on the engine has come (its EngineInfo, or None)
+
+    def engine_ready(self) -> bool:
+        """Whether the parent has handed over the engine's description (or is about to: it waits in
+        the pipe), so that the routes are about to be built."""
+        if self._heard:
+            return True
+        try:
+            return self.ready.poll()
+        except (OSError, EOFError):
+            return False
 
     async def run(self) -> Any:
         args = self.args
         preparing = asyncio.create_task(asyncio.to_thread(self._prepare))
         try:
             info = await _receive_info(self.ready)
+            self._heard = True
             guessed, warming, tokenizer = await preparing
         finally:
             if not preparing.done():

@@ -246,6 +246,7 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    logger.info("engine process %d started: building the engine", os.getpid())
     outcomes = [out for _, out in connections]
     # here, not at the module's top: the process that starts this one (`bridge serve`) imports the module
     # too, and launches the engine before it imports what the routes need

@@ -39,8 +39,6 @@ for _module in ("fastapi", "uvicorn", "prometheus_client"):
     if importlib.util.find_spec(_module) is None:
         raise ImportError(f"No module named {_module!r}")
 
-DEFAULT_INLINE_BYTES = 256 * 2**10  # bridge.serve.ingest's: bodies up to this are parsed in the event loop
-
 logger = logging.getLogger("bridge.serve")
 
 
@@ -117,7 +115,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes per API process that parse large JSON bodies and decode "
                              "prompt_embeds payloads (default: half the cores up to 8 with a GPU and one API "
                              "process; 0, parsing in the event loop, with several or on the CPU)")
-    parser.add_argument("--ingest-inline-bytes", type=int, default=DEFAULT_INLINE_BYTES,
+    parser.add_argument("--ingest-inline-bytes", type=int, default=None,  # None: ingest.DEFAULT_INLINE_BYTES
                         help="bodies up to this size are parsed in the server process (default 256 KiB)")
     parser.add_argument("--arrival-decode-window", type=int, default=None,
                         help="greedy decode steps per window while requests are being received or parsed "

@@ -8,6 +8,11 @@ request a 503 with Retry-After, while `bring_up` (a coroutine the caller gives) 
 and builds the routes' state; the moment that is done the real app (`build_app`) takes every request,
 and `/health` answers 200.
 
+Once the engine is ready (`engine_ready()` says so, before this process has built its routes), a
+request is held until the routes take over rather than refused: with several API processes, one of them
+may answer 200 while another is still building its state, and a client that saw the 200 must not get a
+503 from the other.
+
 The real app's lifespan (it starts the body parser and the engine loop) runs when it takes over, and
 its shutdown with the server's. A SIGTERM while the engine is still starting ends the server at once:
 `bring_up` is cancelled and `on_stop_early` (for instance: kill an engine process still building) runs.
@@ -35,16 +40,19 @@ class StartingApp:
     """ASGI app: 503s until `bring_up()`'s state is served by `build(state)`'s app (see the module doc)."""
 
     def __init__(self, bring_up: Callable[[], Awaitable[Any]], build: Callable[[Any], Any], *,
-                 on_stop_early: Callable[[], None] | None = None) -> None:
+                 on_stop_early: Callable[[], None] | None = None,
+                 engine_ready: Callable[[], bool] = lambda: False) -> None:
         self.bring_up = bring_up
         self.build = build
         self.on_stop_early = on_stop_early
+        self.engine_ready = engine_ready
         self.server: Any = None  # the uvicorn server running this app: stopped when bring-up fails
         self.app: Any = None
         self.state: Any = None
         self.failure: BaseException | None = None
         self._task: asyncio.Task | None = None
         self._lifespan: _Lifespan | None = None
+        self._settled: asyncio.Event | None = None  # set once the routes took over, or bring-up ended
 
     @property
     def ready(self) -> bool:
@@ -55,6 +63,9 @@ class StartingApp:
             await self._run_lifespan(receive, send)
             return
         app = self.app
+        if app is None and self._settled is not None and self.engine_ready():
+            await self._settled.wait()  # the routes are being built: this request is theirs
+            app = self.app
         if app is not None:
             await app(scope, receive, send)
         elif scope["type"] == "http":
@@ -73,6 +84,7 @@ class StartingApp:
 
     async def _run_lifespan(self, receive: Callable, send: Callable) -> None:
         await receive()  # lifespan.startup
+        self._settled = asyncio.Event()
         self._task = asyncio.create_task(self._start(), name="bridge-bring-up")
         await send({"type": "lifespan.startup.complete"})
         logger.info("listening: /health answers 503 until the engine is ready")
@@ -83,6 +95,13 @@ class StartingApp:
             await send({"type": "lifespan.shutdown.complete"})
 
     async def _start(self) -> None:
+        try:
+            await self._bring_up()
+        finally:
+            assert self._settled is not None
+            self._settled.set()
+
+    async def _bring_up(self) -> None:
         try:
             state = await self.bring_up()
             if state is None:

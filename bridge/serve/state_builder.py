@@ -12,7 +12,7 @@ from bridge.serve.chat import ChatRenderer
 from bridge.serve.chat_template import resolve_chat_template
 from bridge.serve.engine_build import audio_sample_rates, set_torch_threads
 from bridge.serve.engine_process import EngineInfo, EngineLink, EngineProcess
-from bridge.serve.ingest import default_workers
+from bridge.serve.ingest import DEFAULT_INLINE_BYTES, default_workers
 from bridge.serve.inputs import ServeLimits, default_max_prompt_bytes
 from bridge.serve.media_flags import media_limits
 from bridge.serve.metrics import ServeMetrics
@@ -69,5 +69,6 @@ def server_state(args: argparse.Namespace, *, llm: LLM | None = None, name: str 
                        max_body_bytes=args.max_request_bytes, max_pending=args.max_pending_requests,
                        drain_timeout_s=args.shutdown_timeout,
                        ingest_workers=ingest_workers(args, device_type), ingest_pool=ingest_pool,
-                       ingest_inline_bytes=args.ingest_inline_bytes,
+                       ingest_inline_bytes=(DEFAULT_INLINE_BYTES if args.ingest_inline_bytes is None
+                                            else args.ingest_inline_bytes),
                        arrival_decode_window=args.arrival_decode_window)
