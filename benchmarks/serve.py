@@ -537,7 +537,21 @@ def engine_summary(trace: pathlib.Path, began: float, ended: float, slots: int) 
     for t in ticks:
         if t["deltas"]:
             windows[str(t["window"])] = windows.get(str(t["window"]), 0) + 1
+    # Where a request's time goes before the engine takes it (the earliest request of each admitting tick):
+    # arrival at the API process -> submitted to the engine (body read, parsed, validated) -> received by
+    # the engine process -> the tick that admits it.
+    admitting = [t for t in ticks if t.get("subs") and "arrived_at" in t and "received_at" in t]
+    before_engine = {}
+    if admitting:
+        def mean_ms(a: str, b: str) -> float:
+            return statistics.mean(t[b][0] - t[a][0] for t in admitting) * 1e3
+        before_engine = {
+            "api_ms": mean_ms("arrived_at", "submitted_at"),
+            "to_engine_ms": mean_ms("submitted_at", "received_at"),
+            "engine_queue_ms": statistics.mean(t["t"] - t["received_at"][0] for t in admitting) * 1e3,
+            "subs_per_admitting_tick": statistics.mean(t["subs"] for t in admitting)}
     return {"ticks": len(ticks), "arriving_share": statistics.mean(t["arriving"] for t in ticks),
+            "before_engine": before_engine,
             "windows_of_stepping_ticks": windows, "mean_running": running, "slots": slots,
             "tick_busy_share": sum(t["admit_s"] + t["step_s"] for t in ticks) / (ended - began),
             "mean_step_ms": statistics.mean(t["step_s"] for t in ticks) * 1e3}
@@ -587,6 +601,13 @@ def table(results: dict) -> str:
         rows.append(("engine: ticks while arriving", f"{e['arriving_share']:.0%}",
                      f"of {e['ticks']} ticks; ticks busy {e['tick_busy_share']:.0%} of the run, "
                      f"mean step {e['mean_step_ms']:.1f} ms"))
+        b = e.get("before_engine") or {}
+        if b:
+            total = b["api_ms"] + b["to_engine_ms"] + b["engine_queue_ms"]
+            rows.append(("request -> engine ms", f"{total:.1f}",
+                         f"API {b['api_ms']:.1f}, to the engine process {b['to_engine_ms']:.1f}, queued "
+                         f"for a tick {b['engine_queue_ms']:.1f} (earliest of each admitting tick; "
+                         f"{b['subs_per_admitting_tick']:.1f} submissions per such tick)"))
     for v in results["variants"][1:]:
         rows.append(("served / offline, variant", f"{v['ratio']:.3f}",
                      f"{v['server_args']!r}: {v['served']['tok_s']:.0f} tok/s, /health 200 after "

@@ -25,9 +25,10 @@ Sides, each warmed once and then timed `--repeats` times back to back in alterna
   sides.
 
 Reported: tok/s (median), the paired ratios json / free (target >= 0.8) and json / free_single_steps,
-the host seconds spent filling masks per step, the steps, windows and async steps of each side, and
-each side's finish reasons. Writes JSON to `--out`, else `$OUT/structured_benchmark.json` when `$OUT`
-is set.
+the host seconds spent filling masks per step (on the fill thread when a step's sampling is deferred)
+and the engine thread's wait for those fills, the steps, windows and async steps of each side, and each
+side's finish reasons; with `--profile`, one more json run under cProfile (its top host functions).
+Writes JSON to `--out`, else `$OUT/structured_benchmark.json` when `$OUT` is set.
 """
 
 from __future__ import annotations
@@ -108,31 +109,15 @@ def build_model(path: pathlib.Path, smoke: bool) -> pathlib.Path:
     return path
 
 
-class FillTimer:
-    """Wraps the engine's mask fill to add up its host seconds and calls."""
-
-    def __init__(self, masks) -> None:
-        self.seconds, self.calls, self._fill = 0.0, 0, masks.fill
-        masks.fill = self
-
-    def __call__(self, *args):
-        t0 = time.perf_counter()
-        try:
-            return self._fill(*args)
-        finally:
-            self.seconds += time.perf_counter() - t0
-            self.calls += 1
-
-
-def run_side(llm: LLM, side: str, prompts: list[dict], max_tokens: int, device, timer: FillTimer,
-             window: int) -> dict:
+def run_side(llm: LLM, side: str, prompts: list[dict], max_tokens: int, device, window: int) -> dict:
     """One timed `generate` of W1 on `side` (`window`: the engine's own decode window)."""
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if side == "json" else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, structured_outputs=so)
     llm.decode_window = 1 if side == "free_single_steps" else window
     core, runner = llm.core, llm.runner
-    before = (runner.num_forward_steps, runner.num_decode_windows, core.num_async_steps, timer.seconds,
-              timer.calls, core.num_deferred_samples)
+    masks = core.token_masks
+    before = (runner.num_forward_steps, runner.num_decode_windows, core.num_async_steps, masks.fill_seconds,
+              masks.wait_seconds, core.num_deferred_samples, masks.num_background_fills)
     sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -143,10 +128,31 @@ def run_side(llm: LLM, side: str, prompts: list[dict], max_tokens: int, device, 
     return {"tok_s": n_out / dt, "seconds": dt, "output_tokens": n_out, "steps": steps,
             "decode_windows": runner.num_decode_windows - before[1],
             "async_steps": core.num_async_steps - before[2],
-            "mask_fill_seconds": timer.seconds - before[3], "mask_fills": timer.calls - before[4],
+            "mask_fill_seconds": masks.fill_seconds - before[3],
+            "mask_wait_seconds": masks.wait_seconds - before[4],
             "deferred_samples": core.num_deferred_samples - before[5],
+            "background_fills": masks.num_background_fills - before[6],
             "finish_reasons": dict(collections.Counter(o.outputs[0].finish_reason for o in outs)),
             "texts": [o.outputs[0].text for o in outs[:2]]}
+
+
+def host_profile(llm: LLM, prompts: list[dict], max_tokens: int, device, window: int,
+                 top: int = 30) -> list[str]:
+    """One json run under cProfile: the functions with the most own time (a wait for the device shows as
+    the call that synchronises), as printed lines."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run_side(llm, "json", prompts, max_tokens, device, window)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    log("json side under cProfile, by own time:\n" + "\n".join(lines))
+    return lines
 
 
 def main(argv=None) -> int:
@@ -158,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="default: 64 (8 with --smoke)")
     ap.add_argument("--rows", type=int, default=None, help="prompt-embeds rows each (default: 512; 32)")
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens each (default: 128; 16)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs, one json run under cProfile: the top host functions")
     args = ap.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
@@ -177,21 +185,22 @@ def main(argv=None) -> int:
               max_model_len=rows + max_tokens + 16,  # W1's engine settings, as benchmarks/generate.py
               **({"num_kv_blocks": 256} if smoke else {"max_num_seqs": 256, "max_num_batched_tokens": 16384}))
     window = llm.decode_window
-    timer = FillTimer(llm.core.token_masks)
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     for rep in range(repeats + 1):
         order = list(SIDES) if rep % 2 == 0 else list(SIDES)[::-1]
         for side in order:
-            res = run_side(llm, side, prompts, max_tokens, device, timer, window)
+            res = run_side(llm, side, prompts, max_tokens, device, window)
             label = "warm-up" if rep == 0 else f"run {rep}"
             log(f"{side} ({label}): {res['tok_s']:.0f} tok/s, {res['steps']} steps, "
                 f"{res['decode_windows']} windows, {res['async_steps']} async "
-                f"({res['deferred_samples']} sampled deferred), mask fill "
-                f"{res['mask_fill_seconds'] * 1e3:.1f} ms over {res['mask_fills']} fills, "
+                f"({res['deferred_samples']} sampled deferred, {res['background_fills']} masks filled "
+                f"in the background), mask fill {res['mask_fill_seconds'] * 1e3:.1f} ms, engine thread "
+                f"waited for it {res['mask_wait_seconds'] * 1e3:.1f} ms, "
                 f"{res['finish_reasons']}")
             if rep:
                 runs[side].append(res)
     llm.decode_window = window
+    profile = host_profile(llm, prompts, max_tokens, device, window) if args.profile else None
 
     med = {s: statistics.median(r["tok_s"] for r in runs[s]) for s in SIDES}
     # Paired: the ratio within each repetition, then the median (drift between repetitions cancels).
@@ -204,13 +213,16 @@ def main(argv=None) -> int:
                      "schema": SCHEMA, "vocab": len(llm.tokenizer), "device": str(device)},
         "tok_s": med, **paired,
         "json_over_free_of_medians": med["json"] / med["free"],
-        "mask_fill_ms_per_step": statistics.median(r["mask_fill_seconds"] / max(1, r["mask_fills"]) * 1e3
+        "mask_fill_ms_per_step": statistics.median(r["mask_fill_seconds"] / max(1, r["steps"]) * 1e3
                                                    for r in json_runs),
         "mask_fill_share_of_json_seconds": statistics.median(r["mask_fill_seconds"] / r["seconds"]
                                                              for r in json_runs),
+        "mask_wait_ms_per_step": statistics.median(r["mask_wait_seconds"] / max(1, r["steps"]) * 1e3
+                                                   for r in json_runs),
         "runs": {s: [{k: v for k, v in r.items() if k != "texts"} for r in runs[s]] for s in SIDES},
         "json_text_samples": json_runs[-1]["texts"],
         "target_json_over_free": TARGET_JSON_OVER_FREE,
+        **({"json_host_profile": profile} if profile else {}),
     }
     verdict = "met" if paired["json_over_free"] >= TARGET_JSON_OVER_FREE else "NOT met"
     log(f"tok/s: free {med['free']:.0f}, free single steps {med['free_single_steps']:.0f}, "
@@ -219,7 +231,9 @@ def main(argv=None) -> int:
         f"{verdict if not smoke else 'information only on the CPU'}); json / free single steps "
         f"{paired['json_over_free_single_steps']:.3f}; mask fill "
         f"{results['mask_fill_ms_per_step']:.2f} ms per step "
-        f"({results['mask_fill_share_of_json_seconds']:.1%} of the json side's time)")
+        f"({results['mask_fill_share_of_json_seconds']:.1%} of the json side's time, on the fill thread "
+        f"when a step's sampling is deferred), the engine thread waited for it "
+        f"{results['mask_wait_ms_per_step']:.2f} ms per step")
     write_results(results, args.out, "structured_benchmark.json")
     llm.shutdown()
     return 0

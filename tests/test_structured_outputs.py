@@ -111,9 +111,11 @@ def test_async_sync_windows_and_graphs_give_the_same_tokens(llm, model_dir):
     constrained request never rides a window, an unconstrained batch still does; unconstrained requests
     get the tokens they get alone (the masks land on their own rows only)."""
     prompts, params = _mixed_batch(llm)
-    deferred = llm.core.num_deferred_samples
+    deferred, background = llm.core.num_deferred_samples, llm.core.token_masks.num_background_fills
     want = _tokens(llm, prompts, params)
     assert llm.core.num_deferred_samples > deferred  # async steps sampled once their masks were filled
+    # ... filled on the fill thread while the engine thread went on
+    assert llm.core.token_masks.num_background_fills > background
     sync = LLM(model_dir, async_scheduling=False, **OPTIONS)
     graphed = LLM(model_dir, async_scheduling=True, decode_window=4,
                   **{**OPTIONS, "max_num_seqs": 16, "max_num_batched_tokens": 128})  # few buckets

@@ -23,9 +23,11 @@ once; what step n+1 still writes into them is ordered before any later use on th
 A request whose pending tokens end it by length anyway is not planned again. A request sampling
 with penalties needs every output id on the host, so while its last token is pending it sits the
 overlapped step out. A constrained request (structured outputs) does not: its token mask needs the
-token in flight, so the step is launched with its sampling deferred, and once step n is finished (its
-tokens read into the matchers) the masks are filled and the step sampled, before `step()` returns and
-before anything else is launched (`_sample_deferred`); its forward has run meanwhile. Constrained
+token in flight, so the step is launched with its sampling deferred; once step n is finished (its
+tokens read into the matchers) the masks start filling on the token masks' fill thread, while the
+engine thread returns step n's deltas and plans step n+2 and the device runs step n+1's forward; the
+fill is joined and step n+1 sampled just before step n+2 (or anything else) is launched behind it, and
+before it is read (`_sample_deferred`). Constrained
 requests never ride a decode window (each token's mask needs the one before it on the host). The core
 drains, then plans synchronously, when overlapping needs the tokens' values: a preemption or nothing
 plannable. When a decode window can follow the step in
@@ -67,7 +69,7 @@ from runner.config import EngineConfig
 from runner.engine.block_manager import BlockManager
 from runner.engine.prefix_cache import PrefixCachingBlockManager
 from runner.engine.scheduler import Scheduler
-from runner.engine.token_masks import TokenMasks, constrained_rows
+from runner.engine.token_masks import PendingMask, TokenMasks, constrained_rows
 from runner.multimodal.encoder_cache import EncoderFailure
 from runner.multimodal.state import MultimodalState
 from runner.outputs import RequestDelta
@@ -115,6 +117,7 @@ class EngineCore:
         self.token_masks = TokenMasks(self.runner.vocab_size, config.max_num_seqs, config.device)
         self.num_deferred_samples = 0
         self.in_flight: LaunchedStep | None = None
+        self._pending_mask: tuple[LaunchedStep, PendingMask | None] | None = None  # its fill, started
         # Steps launched while the previous one was still on the device (async scheduling).
         self.num_async_steps = 0
         # The decode window on the device whose tokens the host has not read; whether the next window
@@ -254,7 +257,7 @@ class EngineCore:
         try:
             return self._finish(prev)
         finally:
-            self._sample_deferred()
+            self._start_deferred_fill()
 
     def _schedule_or_raise(self, *, progressed: bool = False) -> SchedulerOutput:
         """Plan a step with nothing in flight; NoProgressError when requests wait but none fits (unless
@@ -276,22 +279,37 @@ class EngineCore:
         """Launch `so` (behind `prev`, still in flight). A constrained request whose last token `prev`
         samples has no token mask yet: the step's sampling is then deferred to `_sample_deferred`, once
         `prev` is read, while this step's forward runs."""
+        if prev is not None:
+            self._sample_deferred(prev)
         rows = constrained_rows(so)
         defer = prev is not None and any(q.num_pending_outputs for _, q in rows)
         mask = None if defer or not rows else self.token_masks.fill(so, rows)
         self.in_flight = self.runner.launch(so, prev, token_mask=mask, defer_sampling=defer)
         self.scheduler.mark_launched(so)
 
-    def _sample_deferred(self) -> None:
-        """Sample the step in flight if its sampling was deferred: its constrained requests' matchers
-        have read their previous tokens now. Runs before anything else is launched."""
+    def _start_deferred_fill(self) -> None:
+        """The step in flight samples once the step before it is read (now): start filling its masks on
+        the fill thread; `_sample_deferred` joins it."""
         step = self.in_flight
         if step is not None and step.awaits_sampling:
-            self.num_deferred_samples += 1
+            self._pending_mask = (step, self.token_masks.fill_in_background(step.so))
+
+    def _sample_deferred(self, step: LaunchedStep) -> None:
+        """Sample `step` if its sampling was deferred: its constrained requests' matchers have read their
+        previous tokens (the step before it was read). Runs before anything is launched behind `step`
+        and before it is read."""
+        if not step.awaits_sampling:
+            return
+        pending, self._pending_mask = self._pending_mask, None
+        if pending is not None and pending[0] is step:
+            mask = pending[1].result() if pending[1] is not None else None
+        else:
             mask = self.token_masks.fill(step.so)
-            sample_deferred(self.runner.sampler, step, self.runner.eos_token_ids, mask)
+        self.num_deferred_samples += 1
+        sample_deferred(self.runner.sampler, step, self.runner.eos_token_ids, mask)
 
     def _finish(self, step: LaunchedStep) -> list[Request]:
+        self._sample_deferred(step)
         self.scheduler.finish_step(step.so, self.runner.finish(step))
         return step.so.requests
 
@@ -332,6 +350,7 @@ class EngineCore:
         so = self.scheduler.schedule_decode_window(k) if self.pipeline_windows else None
         if so is None:
             return self._drain()
+        self._sample_deferred(step)
         self.window = self._launch_window(so, k, step)
         self.in_flight = None
         self.num_windows_behind_steps += 1
@@ -400,6 +419,7 @@ class EngineCore:
         self.settle()
         for request_id in list(self.scheduler.requests):
             self.scheduler.abort_request(request_id)
+        self.token_masks.close()
         self.runner.release()
 
 
