@@ -31,7 +31,8 @@ p50/p99 (TTFT from the request's start, its serialisation included; ITL per requ
 first chunk) / (tokens - 1)), SSE chunks per request, the client's serialisation time, the server's CPU
 time per request (utime + stime of the server's process tree from /proc, before and after each run:
 API processes, engine process, the rest), the clients' CPU time per request, and the start timelines
-(target: `/health` 200 within 20 s cold). One JSON line (`RESULT {...}`) and a table; the JSON also goes
+(target: `/health` 200 within 20 s cold); with `--extra-client-procs`, the same server measured again
+from other numbers of client processes. One JSON line (`RESULT {...}`) and a table; the JSON also goes
 to `--out`, else `$OUT/serve_benchmark.json` when `$OUT` is set.
 """
 
@@ -513,6 +514,19 @@ def served_runs(server: Server, clients: Clients, args, requests_file, max_token
     return {**ranked[len(ranked) // 2], "runs_tok_s": [r["tok_s"] for r in runs], "runs": runs}
 
 
+def client_variant(procs: int, server: Server, args, requests_file, max_tokens, trace: pathlib.Path,
+                   offline_tok_s: float) -> dict:
+    """The same served runs from `procs` client processes (a pool of their own, started and warmed first)."""
+    log(f"  the same server from {procs} client processes")
+    clients = Clients(procs)
+    try:
+        clients.wait_started()
+        served = served_runs(server, clients, args, requests_file, max_tokens, trace)
+    finally:
+        clients.close()
+    return {"client_procs": procs, "served": served, "ratio": served["tok_s"] / offline_tok_s}
+
+
 def engine_summary(trace: pathlib.Path, began: float, ended: float, slots: int) -> dict:
     """What the server's engine did during one run, from its tick trace (one JSON line per tick,
     `time.monotonic()`, the clients' clock): ticks, the share taken while requests were arriving (decode
@@ -608,6 +622,12 @@ def table(results: dict) -> str:
                          f"API {b['api_ms']:.1f}, to the engine process {b['to_engine_ms']:.1f}, queued "
                          f"for a tick {b['engine_queue_ms']:.1f} (earliest of each admitting tick; "
                          f"{b['subs_per_admitting_tick']:.1f} submissions per such tick)"))
+    for v in results.get("client_variants", []):
+        vs = v["served"]
+        rows.append((f"served / offline, {v['client_procs']} client procs", f"{v['ratio']:.3f}",
+                     f"{vs['tok_s']:.0f} tok/s, TTFT p50 {vs['ttft_p50_ms']:.0f} ms, client CPU "
+                     f"{vs['client_cpu_ms_per_request']:.1f} ms/request, engine "
+                     f"{(vs.get('engine') or {}).get('mean_running', 0):.1f} running"))
     for v in results["variants"][1:]:
         rows.append(("served / offline, variant", f"{v['ratio']:.3f}",
                      f"{v['server_args']!r}: {v['served']['tok_s']:.0f} tok/s, /health 200 after "
@@ -644,6 +664,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "several times, each is a server of its own measured against the same offline "
                          "runs (the first one's start is the cold one). Smoke default: "
                          "'--engine-process --api-server-count 2', the GPU layout")
+    ap.add_argument("--extra-client-procs", default="",
+                    help="comma-separated client-process counts to measure too, on the first server after "
+                         "its headline runs (the same streams in flight; whether the clients limit the run)")
     ap.add_argument("--no-warm-start", action="store_true", help="skip the second (warm) start")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", default=None)
@@ -706,6 +729,11 @@ def main(argv=None) -> int:
                              "cold" if k == 0 else f"variant {k}", trace)
             try:
                 served = served_runs(server, clients, args, requests_file, max_tokens, trace)
+                if k == 0:
+                    results["client_variants"] = [
+                        client_variant(int(n), server, args, requests_file, max_tokens, trace,
+                                       results["offline"]["tok_s"])
+                        for n in filter(None, args.extra_client_procs.split(","))]
             except BaseException:
                 log(f"the run failed; the server's log ends with:\n{server.log_text()[-4000:]}")
                 raise

@@ -279,12 +279,13 @@ class EngineCore:
         """Launch `so` (behind `prev`, still in flight). A constrained request whose last token `prev`
         samples has no token mask yet: the step's sampling is then deferred to `_sample_deferred`, once
         `prev` is read, while this step's forward runs."""
-        if prev is not None:
-            self._sample_deferred(prev)
         rows = constrained_rows(so)
         defer = prev is not None and any(q.num_pending_outputs for _, q in rows)
         mask = None if defer or not rows else self.token_masks.fill(so, rows)
-        self.in_flight = self.runner.launch(so, prev, token_mask=mask, defer_sampling=defer)
+        deferred_prev = prev is not None and prev.awaits_sampling
+        self.in_flight = self.runner.launch(
+            so, prev, token_mask=mask, defer_sampling=defer,
+            before_reading_prev=(lambda: self._sample_deferred(prev)) if deferred_prev else None)
         self.scheduler.mark_launched(so)
 
     def _start_deferred_fill(self) -> None:

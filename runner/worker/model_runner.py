@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -399,16 +400,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: LaunchedStep | None = None, *,
-               token_mask: StepTokenMask | None = None, defer_sampling: bool = False) -> LaunchedStep:
+               token_mask: StepTokenMask | None = None, defer_sampling: bool = False,
+               before_reading_prev: Callable[[], None] | None = None) -> LaunchedStep:
         """Enqueue one step's forward and sampling on the device without waiting for them.
 
         `prev` is the step still in flight (async scheduling): a request whose last token is one
         `prev` sampled (`num_pending_outputs`) gets that token's id copied on the device from
         `prev`'s sampled ids into this step's input ids. The sampled ids (and logprobs) start
         their copy to the host; `finish` waits for it. `token_mask`: the constrained rows' masks;
-        `defer_sampling`: the forward only (`step_sampling.sample_deferred`)."""
+        `defer_sampling`: the forward only (`step_sampling.sample_deferred`). `before_reading_prev` runs
+        once the inputs are staged, before anything that reads `prev`'s sampled ids is enqueued (a
+        deferred `prev` samples there, so its token masks had the staging's time to fill)."""
         sd = self.stage(so)
         v, t, r, bucket, sample_rows = sd.views, sd.t, sd.r, sd.bucket, sd.sample_rows
+        if before_reading_prev is not None:
+            before_reading_prev()
         self.token_feed.feed(so, sd, prev)
         positions = v.positions
         items = self.mm.gather_step(so.requests, so.num_scheduled_tokens) if self.mm is not None else None

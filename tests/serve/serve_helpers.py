@@ -60,7 +60,10 @@ class ServerProcess:
                "--device", "cpu", "--log-level", "warning", *flags]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT)]), "OMP_NUM_THREADS": "1",
+        # what the environment had on the path stays behind the repository (packages installed there)
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, str(ROOT), *inherited]),
+               "OMP_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false"}
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
