@@ -249,6 +249,38 @@ def test_json_object_gives_an_object(llm):
             assert isinstance(json.loads(comp.text), dict)
 
 
+def _byte_token_ids(tokenizer) -> dict[int, int]:
+    """Byte -> the id of the byte-level token that stands for it alone (GPT-2's byte alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {b: tokenizer.convert_tokens_to_ids(c) for b, c in chars.items()}
+
+
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "string", "maxLength": 5}])
+def test_json_strings_hold_valid_utf8_only(llm, schema):
+    """xgrammar reads the bytes ED A0-BF (UTF-16 surrogates, never in UTF-8) as a character: a JSON string
+    must refuse them, as it refuses other invalid UTF-8 (the text would decode to U+FFFD, and a maxLength
+    would count it wrong), and still take 2-, 3- and 4-byte characters."""
+    from runner.engine.structured_outputs import GrammarCompiler
+
+    tok = llm.tokenizer
+    byte = _byte_token_ids(tok)
+    compiler = GrammarCompiler(tok, llm.runner.vocab_size, llm.eos_token_ids)
+    compiled = compiler.compile(StructuredOutputsParams(json=schema))
+
+    def accepts(data: bytes) -> bool:
+        grammar = compiler.request_grammar(compiled, llm.eos_token_ids)
+        return all(grammar.accept_token(byte[b]) for b in b'"' + data + b'"')
+
+    for bad in (b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xc0\x80", b"\xf4\x90\x80\x80", b"\x80"):
+        assert not accepts(bad), bad
+    for good in ("\u00e9", "\u20ac", "\U0001f600", "\ud7ff", "\ue000"):
+        assert accepts(good.encode()), good
+
+
 # ----------------------------------------------------------------------------- the mask op
 def test_token_mask_matches_xgrammar():
     """The torch unpacking equals xgrammar's own CPU kernel, for every row or a subset; columns past the

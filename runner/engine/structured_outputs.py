@@ -41,6 +41,13 @@ _MAX_MESSAGE = 300
 # The grammar's text is rewritten with them excluded, as its unbounded strings already do.
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+# Its string characters are code points read from UTF-8 bytes, and it reads the bytes ED A0-BF xx (the
+# UTF-16 surrogates U+D800-U+DFFF, which UTF-8 never holds) as characters too: with byte-level tokens a
+# constrained string could hold bytes that no strict decoder reads, which decode to U+FFFD (and then
+# break a maxLength). Every JSON string character class leaves them out as well.
+_STRING_CLASS_START = r'[^\0-\x1f\"\\'
+_SURROGATES = r'\uD800-\uDFFF'
+
 #: compiled grammars the engine keeps at hand by source (xgrammar's own cache is behind them), and
 #: constraints `check_structured_outputs` found valid (a server checks every request's)
 _RECENT_GRAMMARS = 64
@@ -97,12 +104,13 @@ def _field(params: StructuredOutputsParams) -> str:
 
 
 def json_schema_grammar(xgr: Any, schema: str, any_whitespace: bool) -> Any:
-    """xgrammar's grammar of a JSON schema, with length-bounded strings kept to valid JSON characters."""
+    """xgrammar's grammar of a JSON schema, with every string kept to valid JSON characters of valid
+    UTF-8."""
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
     text = str(grammar)
-    if _BOUNDED_STRING_CHAR in text:
-        grammar = xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
-    return grammar
+    fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR).replace(_STRING_CLASS_START,
+                                                                        _STRING_CLASS_START + _SURROGATES)
+    return xgr.Grammar.from_ebnf(fixed) if fixed != text else grammar
 
 
 def _source_key(params: StructuredOutputsParams) -> tuple:
