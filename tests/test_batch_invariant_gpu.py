@@ -104,6 +104,24 @@ def _llm(model_dir, invariant: bool, **kw) -> LLM:
                batch_invariant=invariant, gpu_memory_utilization=0.3, **kw)
 
 
+def _differences(label: str, got: list, want: list, prompts: list) -> list[str]:
+    """One line per prompt whose (tokens, logprobs) differ: its kind, the first position that differs and
+    whether the tokens differ there or only the logprobs."""
+    out = []
+    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(zip(got, want)):
+        if (tokens, logprobs) == (want_tokens, want_logprobs):
+            continue
+        kind = "embeds" if "prompt_embeds" in prompts[i] else f"ids ({len(prompts[i]['prompt_token_ids'])})"
+        at = next((k for k, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), None)
+        if at is None:
+            at = next(k for k, (a, b) in enumerate(zip(logprobs, want_logprobs)) if a != b)
+            out.append(f"{label}: prompt {i} ({kind}): logprobs only, first at output {at}: "
+                       f"{logprobs[at]} != {want_logprobs[at]}")
+        else:
+            out.append(f"{label}: prompt {i} ({kind}): tokens differ from output {at}")
+    return out
+
+
 def test_engine_alone_batch64_chunked_cached_are_the_same_bits(model_dir):
     prompts = _prompts()
     llm = _llm(model_dir, True)
@@ -117,11 +135,18 @@ def test_engine_alone_batch64_chunked_cached_are_the_same_bits(model_dir):
     assert llm.runner.num_graph_replays > 0 and llm.runner.num_decode_windows > 0
     llm.shutdown()
 
-    llm = _llm(model_dir, True, max_num_batched_tokens=96, enable_prefix_caching=True)
-    assert _run(llm, prompts, alone=False) == alone
-    assert _run(llm, prompts[::-1], alone=False) == alone[::-1]  # warm prefix cache
-    assert llm.block_manager.num_hit_blocks > 0
-    llm.shutdown()
+    # Chunked prefills, prefix caching, and both: every difference is collected, then reported at once.
+    found = []
+    for options in ({"max_num_batched_tokens": 96}, {"enable_prefix_caching": True},
+                    {"max_num_batched_tokens": 96, "enable_prefix_caching": True}):
+        llm = _llm(model_dir, True, **options)
+        found += _differences(f"{options}", _run(llm, prompts, alone=False), alone, prompts)
+        if options.get("enable_prefix_caching"):  # a warm prefix cache, the prompts in reverse order
+            found += _differences(f"{options}, warm", _run(llm, prompts[::-1], alone=False)[::-1], alone,
+                                  prompts)
+            assert llm.block_manager.num_hit_blocks > 0
+        llm.shutdown()
+    assert not found, "\n".join(found)
 
     llm = _llm(model_dir, False)
     default_alone, default_batch = _run(llm, prompts, alone=True), _run(llm, prompts, alone=False)
