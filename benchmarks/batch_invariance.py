@@ -33,7 +33,9 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import pathlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -110,11 +112,21 @@ def served(args, model_dir, invariant: bool, embeds: list[torch.Tensor], engine:
     import httpx
 
     server_args = "--batch-invariant" if invariant else ""
-    side = argparse.Namespace(cpu=args.smoke, ingest_workers=None, trace=None)
+    side = argparse.Namespace(smoke=args.smoke)
     settings = {k: v for k, v in engine.items() if k not in ("dtype", "device")}
     log_path = pathlib.Path(tempfile.gettempdir()) / f"batch_invariance_server_{int(invariant)}.log"
     dtype = "float32" if args.smoke else "bfloat16"
-    proc, url = start_server(model_dir, side, server_args, settings, dtype, log_path)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="batch_invariance_"))
+    # the offline engines' Triton cache: the server builds nothing they have built
+    cache = pathlib.Path(os.environ.get("TRITON_CACHE_DIR") or pathlib.Path.home() / ".triton" / "cache")
+    server = start_server(model_dir, side, server_args, settings, dtype, cache, log_path,
+                          work / "ticks.jsonl")
+    try:
+        server.wait_healthy()
+    except BaseException:
+        server.stop()
+        raise
+    url = server.url
     bodies = [json.dumps({"model": "bench", "prompt": "", "prompt_embeds": encode_prompt_embeds(e),
                           "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
                           "return_token_ids": True}) for e in embeds]
@@ -133,8 +145,8 @@ def served(args, model_dir, invariant: bool, embeds: list[torch.Tensor], engine:
         log(f"{'with' if invariant else 'without'} batch_invariant: {len(bodies)} concurrent clients")
         return asyncio.run(run_all())
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _free(device: torch.device) -> None:
