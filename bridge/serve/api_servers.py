@@ -149,6 +149,7 @@ class _BringUp:
         from bridge.serve.state_builder import ingest_workers
         from runner.hf_config import load_tokenizer
 
+        started = time.perf_counter()
         guessed = ingest_workers(self.args, engine_device_type(self.args))
         warming = []
         with self._lock:
@@ -159,8 +160,8 @@ class _BringUp:
         tokenizer = _NOT_LOADED
         if (path / "config.json").is_file() and not (path / "meta.json").is_file():
             tokenizer = load_tokenizer(str(path))
-        logger.info("prepared while the engine starts: the routes' modules%s%s",
-                    "" if tokenizer is _NOT_LOADED else ", the tokenizer",
+        logger.info("prepared while the engine starts (%.2f s): the routes' modules%s%s",
+                    time.perf_counter() - started, "" if tokenizer is _NOT_LOADED else ", the tokenizer",
                     f", {guessed} ingest workers starting" if warming else "")
         return guessed, warming, tokenizer
 
@@ -213,6 +214,7 @@ def serve_with_api_servers(args: argparse.Namespace) -> int:
     except BaseException:
         shutil.rmtree(metrics_dir, ignore_errors=True)
         raise
+    logger.info("starting the engine process and %d API processes", count)
     engine = EngineProcess(args, api_processes=count)
     engine.launch()
     ready_pipes = [ctx.Pipe(duplex=False) for _ in range(count)]

@@ -250,12 +250,18 @@ def engine_main(connections: list[tuple[Any, Any]], args: argparse.Namespace, st
     outcomes = [out for _, out in connections]
     # here, not at the module's top: the process that starts this one (`bridge serve`) imports the module
     # too, and launches the engine before it imports what the routes need
+    imports = time.perf_counter()
     from bridge.serve.engine_build import audio_sample_rates, build_ready_llm, resolve_model
     from runner.multimodal.placeholders import placeholder_token
 
+    resolving = time.perf_counter()
     try:
         model = resolve_model(args.path, verify=not args.no_verify)
+        building = time.perf_counter()
+        logger.info("the engine's modules imported (%.2f s) and its model resolved (%.2f s)",
+                    resolving - imports, building - resolving)
         llm = build_ready_llm(model, args)
+        logger.info("engine built in %.2f s", time.perf_counter() - building)
     except BaseException as exc:  # noqa: BLE001 - reported to the API process, which exits with it
         logger.exception("the engine could not be built")
         _send(status, ("failed", (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}"[:2000])))
