@@ -372,20 +372,12 @@ class ModelRunner:
         h32[o32[2] : o32[2] + r] = seq_lens
         h32[o32[3] : o32[3] + r] = slots
         h32[o32[4] : o32[4] + r * w] = self.block_table[slots, :w].reshape(-1)
-        if bucket and bucket > r:  # padding rows: no KV write, no context, one query row each
-            h64[o64[0] + t : o64[0] + tp] = 0
-            h64[o64[1] + t : o64[1] + tp] = 0
-            h64[o64[2] + t : o64[2] + tp] = -1
-            h32[o32[1] + 1 + r : o32[1] + 1 + rp] = np.arange(t + 1, bucket + 1)
-            h32[o32[2] + r : o32[2] + rp] = 0
-            h32[o32[3] + r : o32[3] + rp] = 0
-            h32[o32[4] + r * w : o32[4] + rp * w] = 0
-        if mixed:  # padding tokens: in no request, no KV write; padding requests: no query rows
-            h64[o64[0] + t : o64[0] + tp] = 0
+        if bucket or mixed:  # a graph's padding: tokens with no KV write and no context, requests
+            h64[o64[0] + t : o64[0] + tp] = 0  # with one query row each (decode) or none (mixed)
             h64[o64[1] + t : o64[1] + tp] = 0
             h64[o64[2] + t : o64[2] + tp] = -1
             h64[o64[3] + len(logit_rows) : o64[3] + n_logits] = 0
-            h32[o32[1] + 1 + r : o32[1] + 1 + rp] = t
+            h32[o32[1] + 1 + r : o32[1] + 1 + rp] = t if mixed else np.arange(t + 1, bucket + 1)
             h32[o32[2] + r : o32[2] + rp] = 0
             h32[o32[3] + r : o32[3] + rp] = 0
             h32[o32[4] + r * w : o32[4] + rp * w] = 0
