@@ -29,8 +29,8 @@ from typing import Any
 
 from bridge.data.bad_rows import BadRow
 from bridge.data.example import PLACEHOLDERS, Example, check_media_matches_prompt, render_prompt
-from bridge.data.media import MEDIA_SUFFIXES, check_media_header, decode_fully, load_media
-from encoders.media_budget import MediaBudget, MediaLimits
+from bridge.data.media import MEDIA_SUFFIXES, check_row_media, decode_fully, load_media
+from encoders.media_budget import MediaLimits
 
 MEDIA_KEYS = tuple(PLACEHOLDERS.values())
 _SHOWN = 120  # characters of a row's value quoted in an error
@@ -114,14 +114,7 @@ class JsonlDataset:
             check_media_matches_prompt(prompt, media)
         except ValueError as exc:
             raise BadRow(f"{where}: {exc}") from None
-        budget = MediaBudget(self.media_limits, scope="row")
-        for mod, rels in media.items():
-            for rel in rels:
-                file = self.media_root / rel
-                try:
-                    check_media_header(mod, file, budget)
-                except ValueError as exc:
-                    raise BadRow(f"{where}: {mod} file {file}: {exc}") from None
+        check_row_media(media, self.media_root, self.media_limits, where)
         return row
 
     def _check_unknown_media_keys(self, row: dict, where: str) -> None:

@@ -60,6 +60,20 @@ class DataScan:
     keep: int = KEEP_PROBLEMS
     _last_bad: object = None
 
+    def check_media_paths(self, root: str, media: Mapping[str, list[str]], where: str, row: object,
+                          checked: dict) -> None:
+        """Each media path of a row exists and is a readable file (`path_problem`); a path already
+        looked at (`checked`, shared across rows: (root, path) -> problem) is not looked at again."""
+        for mod, rels in media.items():
+            for rel in rels:
+                key = (root, rel)
+                why = checked.get(key, key)
+                if why is key:
+                    why = checked[key] = path_problem(os.path.join(root, rel))
+                    self.media_files += 1
+                if why:
+                    self.add(f"{where}: {mod} file {Path(root) / rel}: {why}", row)
+
     def add(self, problem: str, row: object = None) -> None:
         """One problem; `row` identifies the row it belongs to (None: the whole file's)."""
         self.num_problems += 1
@@ -176,15 +190,7 @@ def scan_jsonl(
             if media is None:
                 continue
             _check_placeholders(row, media, prompt, fields, placeholders, where, scan, lineno)
-            for mod, rels in media.items():
-                for rel in rels:
-                    key = (root, rel)
-                    why = checked.get(key, key)
-                    if why is key:
-                        why = checked[key] = path_problem(os.path.join(root, rel))
-                        scan.media_files += 1
-                    if why:
-                        scan.add(f"{where}: {mod} file {Path(root) / rel}: {why}", lineno)
+            scan.check_media_paths(root, media, where, lineno, checked)
     if scan.rows == 0:
         scan.add(f"{path}: no rows")
     return scan

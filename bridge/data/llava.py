@@ -23,7 +23,6 @@ of the same rows as Python dicts and lists, and forked loader workers share it.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from bridge.data.bad_rows import BadRow
 from bridge.data.conversation import conversation_example, format_user_turn
 from bridge.data.example import PLACEHOLDER_RE, PLACEHOLDERS, Example, Turn, target_words
 from bridge.data.jsonl_check import TARGET_TOKEN_SLACK, DataScan, path_problem
-from encoders.media_budget import MediaBudget, MediaLimits
+from encoders.media_budget import MediaLimits
 
 MEDIA_KEYS = tuple(PLACEHOLDERS.values())
 #: a row's "from" -> the turn's role
@@ -222,15 +221,7 @@ def scan_llava(
             if max_target_tokens is not None and \
                     conversation_text_bytes(turns) > max_target_tokens - TARGET_TOKEN_SLACK:
                 scan.long_targets.append((where, " ".join(t.text for t in turns)))
-            for mod, rels in media.items():
-                for rel in rels:
-                    key = (root, rel)
-                    bad = checked.get(key, key)
-                    if bad is key:
-                        bad = checked[key] = path_problem(os.path.join(root, rel))
-                        scan.media_files += 1
-                    if bad:
-                        scan.add(f"{where}: {mod} file {Path(root) / rel}: {bad}", where)
+            scan.check_media_paths(root, media, where, where, checked)
     except ValueError as exc:
         scan.add(str(exc))
         return scan
@@ -294,20 +285,13 @@ class LlavaDataset:
             raise ValueError(f"{self.path}: no rows{left}")
 
     def _check(self, where: str, row: Any) -> None:
-        from bridge.data.media import check_media_header
+        from bridge.data.media import check_row_media
 
         try:
             _, media = parse_row(row)
         except ValueError as exc:
             raise BadRow(f"{where}: {exc}") from None
-        budget = MediaBudget(self.media_limits, scope="row")
-        for mod, rels in media.items():
-            for rel in rels:
-                file = self.media_root / rel
-                try:
-                    check_media_header(mod, file, budget)
-                except ValueError as exc:
-                    raise BadRow(f"{where}: {mod} file {file}: {exc}") from None
+        check_row_media(media, self.media_root, self.media_limits, where)
 
     def __len__(self) -> int:
         return len(self._raw)

@@ -25,6 +25,21 @@ MEDIA_SUFFIXES = frozenset(
 )
 
 
+def check_row_media(media: dict[str, list[str]], root: Path, limits: Any, where: str) -> None:
+    """Every media file of one row passes `check_media_header`, their sizes counted against one row's
+    budget of `limits` (a `MediaLimits`); a `BadRow` naming the row (`where`), modality and file if not."""
+    from bridge.data.bad_rows import BadRow
+
+    budget = MediaBudget(limits, scope="row")
+    for mod, rels in media.items():
+        for rel in rels:
+            file = root / rel
+            try:
+                check_media_header(mod, file, budget)
+            except ValueError as exc:
+                raise BadRow(f"{where}: {mod} file {file}: {exc}") from None
+
+
 def check_media_header(modality: str, path: Path, budget: MediaBudget | None = None) -> None:
     """Cheap validity check of one media file (no pixel or sample decoding); its size counted in
     `budget` when given."""
