@@ -223,3 +223,35 @@ def test_wrapper_choice_and_recipe_key():
         RecipeError, match=r"train.distributed: 'zero3' is not one of \['auto', 'ddp', 'fsdp'\]"
     ):
         validate({**RECIPE, "train": {**RECIPE["train"], "distributed": "zero3"}})
+
+
+def _union_rank(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from bridge.training.distributed import DistInfo, union_across_ranks
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mine = {"a.jsonl:3", "a.jsonl:9"} if rank == 0 else {"a.jsonl:9", "a.jsonl:12"}
+        union = union_across_ranks(mine, DistInfo(rank=rank, world_size=2))
+        Path(out, f"rank{rank}.json").write_text(json.dumps(sorted(union)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_skipped_rows_are_counted_over_every_rank(tmp_path):
+    """`data.skip_bad_rows` counts the rows any rank passed over (each reads its own slice), once each: the
+    union across ranks, which every rank gets (so rank 0's metrics and summary say the whole run's)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from bridge.training.distributed import DistInfo, union_across_ranks
+
+    assert union_across_ranks({"x:1"}, DistInfo()) == {"x:1"}  # one rank: its own
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_union_rank, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    want = ["a.jsonl:12", "a.jsonl:3", "a.jsonl:9"]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [want, want]

@@ -74,6 +74,15 @@ def mean_across_ranks(value: float, info: DistInfo, device: torch.device) -> flo
     return float(t.item()) / info.world_size
 
 
+def union_across_ranks(items: set[str], info: DistInfo) -> set[str]:
+    """The union of every rank's `items` (a collective: every rank calls it at the same point)."""
+    if not info.enabled:
+        return set(items)
+    gathered: list = [None] * info.world_size
+    dist.all_gather_object(gathered, sorted(items))
+    return {item for part in gathered for item in part}
+
+
 def shutdown(info: DistInfo, *, finished: bool = True) -> None:
     """Tear the process group down. After a finished run every rank first meets the others at a
     barrier: a rank that destroyed its group while a peer still talked to it (the last checkpoint's

@@ -58,6 +58,7 @@ from bridge.training.distributed import (
     mean_across_ranks,
     pick_device,
     shutdown,
+    union_across_ranks,
 )
 from bridge.training.evaluate import evaluate_checkpoint
 from bridge.training.fit_context import FitToContext
@@ -356,10 +357,11 @@ class Trainer:
         self.timing.data_wait_s += stream.take_wait()
         return value
 
-    @property
     def skipped_rows(self) -> int:
-        """Malformed rows left out so far (data.skip_bad_rows): at load, and passed over in batches."""
-        return len(self.skipped_at_load) + len(self.skipped_seen)
+        """Malformed rows left out so far (data.skip_bad_rows): at load (every rank loads the same), and
+        passed over in batches by any rank (each rank reads its own slice: a collective, called by every
+        rank at the same step)."""
+        return len(self.skipped_at_load) + len(union_across_ranks(self.skipped_seen, self.dist))
 
     def _passed_over(self, rows: tuple[str, ...]) -> None:
         fresh = [r for r in rows if r not in self.skipped_seen]
@@ -455,7 +457,9 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]
                 last_loss = self.train_step()
                 steps_done += 1
-                if self.dist.is_main and (self.step % tr.log_every == 0 or self.step == tr.max_steps):
+                log_now = self.step % tr.log_every == 0 or self.step == tr.max_steps
+                skipped = self.skipped_rows() if log_now and self.recipe.data.get("skip_bad_rows") else None
+                if self.dist.is_main and log_now:
                     elapsed = time.perf_counter() - t0
                     step_s = self.timing.step_s - logged[0]
                     wait_s = self.timing.data_wait_s - logged[1]
@@ -468,8 +472,8 @@ class Trainer:
                         # share of the step time (since the last row) spent waiting for data
                         "data_wait_pct": round(100 * wait_s / max(step_s, 1e-9), 2),
                     }
-                    if self.recipe.data.get("skip_bad_rows"):
-                        row["skipped_rows"] = self.skipped_rows
+                    if skipped is not None:
+                        row["skipped_rows"] = skipped
                     self._write_metrics(metrics_path, row)
                 if eval_every and self.step % eval_every == 0:
                     held_out = self.held_out_loss()
@@ -501,7 +505,7 @@ class Trainer:
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
         if self.recipe.data.get("skip_bad_rows"):
-            summary["skipped_rows"] = self.skipped_rows
+            summary["skipped_rows"] = self.skipped_rows()
         if self.dist.is_main:
             plot_loss(metrics_path, self.output_dir / "loss.png", title=self.recipe.name)
             if self.recipe.eval.enabled and self.eval_set is not None:
